@@ -1,0 +1,55 @@
+"""Small models for the tests: uneven sizes, a frozen parameter, tied weights, a buffer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class TinyLM(nn.Module):
+    """Embedding tied to the output head, blocks with odd widths, a frozen
+    parameter and a buffer: every case the transforms must carry."""
+
+    def __init__(self, vocab: int = 13, width: int = 10, hidden: int = 23, depth: int = 3,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width, hidden, dropout) for _ in range(depth))
+        self.final_norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        self.frozen_scale = nn.Parameter(torch.linspace(0.5, 1.5, width), requires_grad=False)
+        self.register_buffer("offset", torch.full((width,), 0.01))
+
+    def forward(self, tokens):
+        x = self.embed(tokens) * self.frozen_scale + self.offset
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+
+def lm_loss(apply_fn):
+    def loss_fn(params, batch):
+        logits = apply_fn(params, batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+    return loss_fn
+
+
+def make_batch(batch: int = 8, seq: int = 5, vocab: int = 13, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    y = torch.randint(0, vocab, (batch, seq), generator=g)
+    return {"x": x, "y": y}

@@ -1,0 +1,23 @@
+"""zfunc: DeepSpeed-class memory efficiency for PyTorch, as transforms of a pure step function.
+
+    apply_fn, params = zf.functional(model)
+    state = zf.TrainState.create(params, zf.optim.adamw(3e-4))
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+    step = shard(offload(train_step), stage=3)      # from zfunc.transforms
+"""
+
+from zfunc import optim, tree
+from zfunc.autodiff import grad, value_and_grad
+from zfunc.functional import FunctionalModel, ModelCall, functional
+from zfunc.interpret import Transform, gather, init, psum
+from zfunc.state import TrainState
+from zfunc.transforms.accumulate import accumulate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FunctionalModel", "ModelCall", "TrainState", "Transform", "accumulate", "functional", "gather",
+    "grad", "init", "optim", "psum", "tree", "value_and_grad",
+]

@@ -1,0 +1,153 @@
+"""zfunc's one contact with torch.distributed: the group and differentiable collectives.
+
+Each collective that gradients flow through lives inside the ``forward`` of
+its own `autograd.Function`, and each one's backward calls its partner
+Function (all-gather <-> reduce-scatter). DESIGN.md records why: a collective
+called directly in ``Function.backward`` fails under the functorch transforms
+on gloo, one called directly in the loss is silently treated as a constant,
+and torch's functional collectives lack ``setup_context``.
+
+Gradient convention (data parallelism): every rank computes a loss on its own
+batch, and the gradient of a gathered parameter is the *mean* over ranks of
+their gradients, so `AllGather`'s backward is a reduce-scatter with AVG. With
+N ranks on N local batches this equals one process on their concatenation
+with a mean loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the flat collectives (the old names warn); 2.11 has only the old ones.
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass
+class Group:
+    """A process group with its rank and size (a world of 1 when none is initialized)."""
+
+    handle: object | None
+    rank: int
+    size: int
+
+    @classmethod
+    def resolve(cls, group=None) -> "Group":
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            return cls(None, 0, 1)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+@dataclasses.dataclass
+class CommCounter:
+    """Elements moved per rank by the collectives of one step, by kind."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.all_gather + self.reduce_scatter + self.all_reduce
+
+
+def all_gather_flat(shard: torch.Tensor, group: Group, counter: CommCounter | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenation over ranks of each rank's 1-D ``shard`` (not differentiable), into ``out`` if given."""
+    if group.size == 1:
+        return shard.clone() if out is None else out.copy_(shard)
+    if out is None:
+        out = shard.new_empty(shard.numel() * group.size)
+    _all_gather_into(out, shard.contiguous(), group=group.handle)
+    if counter is not None:
+        counter.all_gather += out.numel()
+    return out
+
+
+def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+    """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable)."""
+    if group.size == 1:
+        return full.clone()
+    out = full.new_empty(full.numel() // group.size)
+    _reduce_scatter_into(out, full.contiguous(), op=dist.ReduceOp.AVG, group=group.handle)
+    if counter is not None:
+        counter.reduce_scatter += full.numel()
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
+    """Σ over ranks of ``x`` (a new tensor; not differentiable)."""
+    if group.size == 1:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.handle)
+    if counter is not None:
+        counter.all_reduce += out.numel()
+    return out
+
+
+class AllGather(torch.autograd.Function):
+    """``full = cat_r(shard_r)``; backward: ``grad_shard = mean_r(grad_full)[this rank]``."""
+
+    @staticmethod
+    def forward(shard, group, counter):
+        return all_gather_flat(shard, group, counter)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.counter = inputs
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """``shard = mean_r(full_r)[this rank]``; backward: all-gather divided by N."""
+
+    @staticmethod
+    def forward(full, group, counter):
+        return reduce_scatter_flat(full, group, counter)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.group, ctx.counter = inputs
+
+    @staticmethod
+    def backward(ctx, grad_shard):
+        return AllGather.apply(grad_shard, ctx.group, ctx.counter) / ctx.group.size, None, None
+
+
+class Replicated(torch.autograd.Function):
+    """Hands out an already-resident full buffer; backward reduce-scatters its gradient.
+
+    ZeRO stage 2: every rank keeps the full parameters, but the gradient that
+    flows back is this rank's shard of the data-parallel mean, produced while
+    backward runs (as soon as the unit's gradient is complete), so no rank
+    ever holds the full gradient of more than one unit.
+    ``forward(shard, full)``: ``shard`` is only the differentiation handle
+    (its value is this rank's slice of ``full``).
+    """
+
+    @staticmethod
+    def forward(shard, holder, group, counter):
+        return holder.full.view(-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.group, ctx.counter = inputs
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None, None
+
+
+class Holder:
+    """Carries a tensor past autograd (a non-tensor argument of a Function)."""
+
+    def __init__(self, full: torch.Tensor) -> None:
+        self.full = full

@@ -1,0 +1,160 @@
+"""The optimizer protocol (optax's, over torch tensors): `GradientTransformation`.
+
+A gradient transformation is a pair of pure functions::
+
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)   # never mutates its inputs
+    params = apply_updates(params, updates)            # p + u, in p's dtype
+
+States are NamedTuples with named fields (both optree and torch's pytree see
+them as nodes, so torch.func, torch.compile and checkpoints see every leaf).
+Step counters are int64 0-d tensors and learning rates float32 0-d tensors,
+never Python numbers, so a compiled step does not recompile as they change.
+
+``tx.hyperparams`` describes what a transformation is, so that code above the
+optimizer (the offload transform's fused CPU Adam, a shard layer deciding
+whether an update can run on flat shards) can recognize it without
+inspecting closures. It is a read-only mapping; every transformation built
+here fills it with at least
+
+- ``name``: e.g. ``"adamw"``, ``"scale_by_adam"``, ``"chain"``;
+- ``elementwise``: True when the update of one element depends only on that
+  element and on global scalars (step count, learning rate, global norm), so
+  it may run on any partition of the parameters;
+
+plus its own arguments (see each constructor). A chain lists its parts under
+``transforms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from zfunc.tree import PyTree, tree_leaves, tree_map
+
+
+class Hyperparams(Mapping):
+    """A read-only ``dict`` describing a transformation (see the module docstring).
+
+    Hashable (by ``name``, consistent with value equality), because a
+    transformation is static pytree metadata of `TrainState` and must hash.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, **items: Any) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items.get("name"))
+
+    def __repr__(self) -> str:
+        return f"Hyperparams({self._items!r})"
+
+
+class GradientTransformation(NamedTuple):
+    """``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``.
+
+    ``hyperparams`` (defaulted, so ``GradientTransformation(init, update)``
+    still works) is a `Hyperparams` mapping describing the transformation,
+    or None for a hand-written one.
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+    hyperparams: Optional[Hyperparams] = None
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+def identity() -> GradientTransformation:
+    """``u ← u``; no state."""
+    return GradientTransformation(
+        lambda params: EmptyState(),
+        lambda updates, state, params=None: (updates, state),
+        Hyperparams(name="identity", elementwise=True),
+    )
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply ``transforms`` in order: the updates of one are the input of the next.
+
+    The state is the tuple of the parts' states, in the same order.
+    """
+    for tx in transforms:
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"chain takes GradientTransformations, got {type(tx).__name__}")
+
+    def init(params: PyTree) -> tuple:
+        return tuple(tx.init(params) for tx in transforms)
+
+    def update(updates: PyTree, state: tuple, params: PyTree = None) -> tuple[PyTree, tuple]:
+        if len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transformations got a state of {len(state)} parts")
+        new_state = []
+        for tx, part in zip(transforms, state):
+            updates, part = tx.update(updates, part, params)
+            new_state.append(part)
+        return updates, tuple(new_state)
+
+    elementwise = all(tx.hyperparams is not None and tx.hyperparams.get("elementwise", False)
+                      for tx in transforms)
+    return GradientTransformation(init, update,
+                                  Hyperparams(name="chain", elementwise=elementwise, transforms=transforms))
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``p ← p + u`` leaf-wise, the result in ``p``'s dtype (a bf16 param stays bf16)."""
+    return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
+
+
+def learning_rate(opt_state: Any) -> torch.Tensor:
+    """The learning rate (float32 0-d tensor) held in an optimizer state.
+
+    It is the ``learning_rate`` field of the one `ScaleByLearningRateState`
+    inside ``opt_state``: the rate the most recent update used (before any
+    update, the rate the first update will use). Raises ValueError if the
+    state holds none or several.
+    """
+    from zfunc.optim.transforms import ScaleByLearningRateState  # noqa: PLC0415 (transforms imports base)
+
+    found = [s for s in _walk_states(opt_state) if isinstance(s, ScaleByLearningRateState)]
+    if len(found) != 1:
+        raise ValueError(
+            f"learning_rate() needs exactly one ScaleByLearningRateState in the optimizer state, found "
+            f"{len(found)}; pass the opt_state of an optimizer built with scale_by_learning_rate "
+            f"(sgd, adam, adamw, lamb)")
+    return found[0].learning_rate
+
+
+def _walk_states(state: Any):
+    """Every NamedTuple state nested in tuples, lists and dicts (depth first)."""
+    yield state
+    if isinstance(state, (tuple, list)):
+        for part in state:
+            yield from _walk_states(part)
+    elif isinstance(state, dict):
+        for part in state.values():
+            yield from _walk_states(part)
+
+
+def first_device(tree: PyTree) -> Optional[torch.device]:
+    """The device of the first tensor leaf, or None (then counters go to the default device)."""
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None

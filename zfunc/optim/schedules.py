@@ -1,0 +1,219 @@
+"""Learning-rate schedules: ``count (int64 0-d tensor) -> lr (float32 0-d tensor)``.
+
+``count`` is the number of updates applied before this one, so the first
+update uses ``schedule(0)``; this equals torch's ``LRScheduler.last_epoch``
+when ``scheduler.step()`` is called after each ``optimizer.step()``, and
+DeepSpeed's ``last_batch_iteration`` after its first ``step()``.
+
+Every schedule is built from tensor ops only (``torch.where``, ``clamp``,
+``cos``, ``log``), never from Python branches on the value of ``count``: a
+step compiled with ``torch.compile`` then sees one graph for all steps
+instead of recompiling when a phase changes. Branches on the *arguments*
+(fixed when the schedule is built) are fine.
+
+Arithmetic is done in float64 and rounded to float32 once at the end, so the
+result is the float32 rounding of what torch / DeepSpeed compute in Python
+floats.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Callable, Union
+
+import torch
+
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+ScalarOrSchedule = Union[float, Schedule]
+
+_F64 = torch.float64
+
+
+def _check_nonnegative(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _check_steps(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a number of steps), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_min_le_peak(min_lr: float, peak_lr: float) -> None:
+    if min_lr > peak_lr:
+        raise ValueError(f"min_lr ({min_lr}) must not exceed peak_lr ({peak_lr}); swap them or lower min_lr")
+
+
+def _to_lr(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32)
+
+
+def constant(lr: float) -> Schedule:
+    """``lr(count) = lr`` for every count."""
+    lr = _check_nonnegative("lr", lr)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        return torch.full((), lr, dtype=torch.float32, device=count.device)
+
+    return schedule
+
+
+def as_schedule(lr: ScalarOrSchedule) -> Schedule:
+    """A schedule as given, or `constant(lr)` for a number."""
+    if callable(lr):
+        return lr
+    return constant(lr)
+
+
+def _deepspeed_warmup_gamma(c: torch.Tensor, warmup: int, warmup_type: str) -> torch.Tensor:
+    """Fraction γ ∈ [0, 1) of (peak - min) reached at count c < warmup (DeepSpeed's WarmupLR)."""
+    if warmup_type == "log":
+        return torch.log(c + 1) / math.log(warmup)
+    return c / warmup
+
+
+def _check_warmup_type(warmup_type: str) -> None:
+    if warmup_type not in ("log", "linear"):
+        raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
+
+
+def warmup(peak_lr: float, warmup_steps: int, min_lr: float = 0.0, warmup_type: str = "log") -> Schedule:
+    """DeepSpeed's ``WarmupLR``: from ``min_lr`` up to ``peak_lr``, then constant.
+
+    With ``W = max(2, warmup_steps)`` (DeepSpeed never warms up over fewer
+    than 2 steps) and ``c = count``::
+
+        lr(c) = min_lr + (peak_lr - min_lr) * γ(c)
+        γ(c)  = log(c + 1) / log(W)   if c < W and warmup_type == 'log'
+                c / W                 if c < W and warmup_type == 'linear'
+                1                     if c >= W
+
+    so the first update uses ``min_lr``. ``lr(c)`` equals DeepSpeed's
+    ``get_lr()`` at ``last_batch_iteration = c``.
+    """
+    peak_lr = _check_nonnegative("peak_lr", peak_lr)
+    min_lr = _check_nonnegative("min_lr", min_lr)
+    _check_min_le_peak(min_lr, peak_lr)
+    warmup_steps = _check_steps("warmup_steps", warmup_steps)
+    _check_warmup_type(warmup_type)
+    w = max(2, warmup_steps)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64)
+        gamma = torch.where(c < w, _deepspeed_warmup_gamma(c, w, warmup_type), 1.0)
+        return _to_lr(min_lr + (peak_lr - min_lr) * gamma)
+
+    return schedule
+
+
+def warmup_decay(peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0,
+                 warmup_type: str = "log") -> Schedule:
+    """DeepSpeed's ``WarmupDecayLR``: `warmup`, then linear decay to ``min_lr`` at ``total_steps``.
+
+    With ``W = max(2, warmup_steps)``, ``T = total_steps``, ``c = count``::
+
+        lr(c) = min_lr + (peak_lr - min_lr) * γ(c)
+        γ(c)  = as in `warmup`                          if c < W
+                max(0, (T - c) / max(1, T - W))        if c >= W
+
+    so ``lr = min_lr`` from ``c = T`` on.
+    """
+    peak_lr = _check_nonnegative("peak_lr", peak_lr)
+    min_lr = _check_nonnegative("min_lr", min_lr)
+    _check_min_le_peak(min_lr, peak_lr)
+    warmup_steps = _check_steps("warmup_steps", warmup_steps)
+    total_steps = _check_steps("total_steps", total_steps, minimum=1)
+    if total_steps < warmup_steps:
+        raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    _check_warmup_type(warmup_type)
+    w = max(2, warmup_steps)
+    decay_span = float(max(1, total_steps - w))
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64)
+        decay = ((total_steps - c) / decay_span).clamp(min=0.0)
+        gamma = torch.where(c < w, _deepspeed_warmup_gamma(c, w, warmup_type), decay)
+        return _to_lr(min_lr + (peak_lr - min_lr) * gamma)
+
+    return schedule
+
+
+def warmup_cosine(peak_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0) -> Schedule:
+    """Linear warmup from 0 to ``peak_lr``, then half a cosine down to ``min_lr``.
+
+    With ``W = warmup_steps``, ``T = total_steps``, ``c = count``::
+
+        lr(c) = peak_lr * c / W                                           if c < W
+                min_lr + (peak_lr - min_lr) * (1 + cos(π p)) / 2,
+                    p = min(1, (c - W) / max(1, T - W))                   if c >= W
+
+    i.e. ``peak_lr`` at ``c = W`` and ``min_lr`` from ``c = T`` on (the
+    Hugging Face ``get_cosine_schedule_with_warmup`` shape, with a floor).
+    """
+    peak_lr = _check_nonnegative("peak_lr", peak_lr)
+    min_lr = _check_nonnegative("min_lr", min_lr)
+    _check_min_le_peak(min_lr, peak_lr)
+    warmup_steps = _check_steps("warmup_steps", warmup_steps)
+    total_steps = _check_steps("total_steps", total_steps, minimum=1)
+    if total_steps < warmup_steps:
+        raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
+    decay_span = float(max(1, total_steps - warmup_steps))
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64)
+        # max(W, 1) only avoids 0/0 when W == 0; that branch is then never selected.
+        warm = peak_lr * c / max(warmup_steps, 1)
+        progress = ((c - warmup_steps) / decay_span).clamp(0.0, 1.0)
+        cosine = min_lr + (peak_lr - min_lr) * 0.5 * (1.0 + torch.cos(math.pi * progress))
+        return _to_lr(torch.where(c < warmup_steps, warm, cosine))
+
+    return schedule
+
+
+def one_cycle(max_lr: float, total_steps: int, pct_start: float = 0.3, div_factor: float = 25.0,
+              final_div_factor: float = 1e4) -> Schedule:
+    """The learning rate of ``torch.optim.lr_scheduler.OneCycleLR`` (cos annealing, two phases).
+
+    With ``lr0 = max_lr / div_factor``, ``lr_min = lr0 / final_div_factor``,
+    ``e1 = pct_start * total_steps - 1``, ``e2 = total_steps - 1``,
+    ``anneal(a, b, p) = b + (a - b) * (1 + cos(π p)) / 2``::
+
+        lr(c) = anneal(lr0, max_lr, c / e1)                  if c <= e1
+                anneal(max_lr, lr_min, (c - e1) / (e2 - e1)) otherwise
+
+    For ``c >= total_steps - 1`` it stays at ``lr_min`` (torch raises past
+    ``total_steps`` instead). Momentum cycling is not part of this schedule.
+    """
+    max_lr = _check_nonnegative("max_lr", max_lr)
+    total_steps = _check_steps("total_steps", total_steps, minimum=2)
+    if isinstance(pct_start, bool) or not isinstance(pct_start, Real) or not 0 < pct_start < 1:
+        raise ValueError(f"pct_start must be a number in (0, 1), got {pct_start!r}")
+    for name, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        if _check_nonnegative(name, value) == 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    end_warm = float(pct_start * total_steps) - 1
+    end = float(total_steps - 1)
+    if end_warm <= 0 or end_warm >= end:
+        raise ValueError(
+            f"pct_start * total_steps = {pct_start * total_steps} leaves an empty phase; "
+            f"it must lie in (1, total_steps): raise total_steps or change pct_start")
+    initial_lr = max_lr / div_factor
+    min_lr = initial_lr / final_div_factor
+
+    def anneal(start: float, stop: float, pct: torch.Tensor) -> torch.Tensor:
+        return stop + (start - stop) / 2.0 * (torch.cos(math.pi * pct) + 1)
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64).clamp(max=end)
+        up = anneal(initial_lr, max_lr, c / end_warm)
+        down = anneal(max_lr, min_lr, (c - end_warm) / (end - end_warm))
+        return _to_lr(torch.where(c <= end_warm, up, down))
+
+    return schedule

@@ -1,0 +1,284 @@
+"""Building blocks of optimizers, each a `GradientTransformation` with its math.
+
+Notation: ``u`` the incoming updates (gradients at the head of a chain),
+``p`` the parameters, ``t`` the 1-based step number (``count + 1``).
+Every function is pure: it builds new tensors and never writes into
+``updates``, ``state`` or ``params``.
+
+Where the order of floating-point operations is a choice, it follows
+torch.optim (see each docstring), so that the aliases in `aliases` match
+torch.optim element-wise to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple, Optional, Union
+
+import torch
+
+from zfunc.optim.base import EmptyState, GradientTransformation, Hyperparams, first_device
+from zfunc.optim.schedules import ScalarOrSchedule, as_schedule
+from zfunc.tree import (PyTree, global_norm, tree_flatten, tree_leaves, tree_map, tree_map_with_path,
+                        tree_unflatten, tree_zeros_like)
+
+Mask = Union[None, Callable[[str], bool], Mapping]
+
+
+def _zero_count(params: PyTree) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=first_device(params))
+
+
+def _require_params(params: PyTree, who: str) -> None:
+    if params is None:
+        raise ValueError(f"{who} needs params: call tx.update(updates, state, params)")
+
+
+# --------------------------------------------------------------------------
+# Clipping
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates together so that their global L2 norm is at most ``max_norm``.
+
+    ``n = ‖u‖₂`` over every element of every leaf (over all shards under
+    `shard`, via `zfunc.tree.global_norm`), then ``u ← u · min(1, max_norm / (n + 1e-6))``,
+    as ``torch.nn.utils.clip_grad_norm_``. No state.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None):
+        scale = (max_norm / (global_norm(updates) + 1e-6)).clamp(max=1.0)
+        return tree_map(lambda u: u * scale.to(u.dtype), updates), state
+
+    return GradientTransformation(init, update,
+                                  Hyperparams(name="clip_by_global_norm", elementwise=True, max_norm=max_norm))
+
+
+# --------------------------------------------------------------------------
+# Adam
+
+
+class ScaleByAdamState(NamedTuple):
+    count: torch.Tensor  # int64 0-d: updates applied so far
+    mu: PyTree           # first moment m, like params
+    nu: PyTree           # second moment v, like params
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's direction (Kingma & Ba), before the learning rate::
+
+        m ← b1·m + (1 − b1)·u            (as torch: m.lerp(u, 1 − b1))
+        v ← b2·v + (1 − b2)·u²
+        u ← (m / (1 − b1ᵗ)) / (√v / √(1 − b2ᵗ) + eps)
+
+    Bias corrections are computed in float64 from the tensor count.
+    """
+
+    def init(params: PyTree) -> ScaleByAdamState:
+        return ScaleByAdamState(_zero_count(params), tree_zeros_like(params), tree_zeros_like(params))
+
+    def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None):
+        count = state.count + 1
+        t = count.to(torch.float64)
+        bias_correction1 = 1 - b1 ** t
+        bias_correction2_sqrt = (1 - b2 ** t).sqrt()
+        mu = tree_map(lambda m, u: torch.lerp(m, u, 1 - b1), state.mu, updates)
+        nu = tree_map(lambda v, u: (v * b2).addcmul(u, u, value=1 - b2), state.nu, updates)
+        # The corrections are cast to the moments' dtype first, as torch casts its Python
+        # floats (and so that a 0-d parameter does not promote to float64).
+        direction = tree_map(
+            lambda m, v: (m / bias_correction1.to(m.dtype)) / ((v.sqrt() / bias_correction2_sqrt.to(v.dtype)) + eps),
+            mu, nu)
+        return direction, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update,
+                                  Hyperparams(name="scale_by_adam", elementwise=True, b1=b1, b2=b2, eps=eps))
+
+
+# --------------------------------------------------------------------------
+# Weight decay
+
+
+def parameter_name(path: tuple) -> str:
+    """The name of a leaf from its key path: keys joined by '.' (a flat dict's key as is)."""
+    return ".".join(str(key) for key in path)
+
+
+def decay_mask(mask: Mask, params: PyTree) -> PyTree:
+    """A tree of Python bools like ``params``: True where weight decay applies.
+
+    ``mask`` is None (decay everything), a callable ``name -> bool`` or a
+    mapping ``name -> bool`` that must name every parameter (see `parameter_name`).
+    """
+    if mask is None:
+        return tree_map(lambda p: True, params)
+    if callable(mask):
+        return tree_map_with_path(lambda path, p: bool(mask(parameter_name(path))), params)
+    if isinstance(mask, Mapping):
+        def lookup(path: tuple, p: Any) -> bool:
+            name = parameter_name(path)
+            if name not in mask:
+                raise ValueError(f"weight decay mask has no entry for parameter {name!r}; "
+                                 f"give every parameter a bool, or pass a callable name -> bool")
+            return bool(mask[name])
+        return tree_map_with_path(lookup, params)
+    raise TypeError(f"mask must be None, a callable name -> bool or a dict name -> bool, got {type(mask).__name__}")
+
+
+def add_decayed_weights(weight_decay: float, mask: Mask = None) -> GradientTransformation:
+    """L2-style weight decay added to the updates: ``u ← u + wd·p`` where ``mask`` says so.
+
+    Computed as torch.optim does (``u.add(p, alpha=wd)``). ``mask`` selects
+    parameters by *name* (a callable ``name -> bool`` or a dict of bools; see
+    `decay_mask`), never by shape or ndim: under `shard` every leaf is a 1-D
+    shard, so "decay only matrices" must be written with names (e.g.
+    ``lambda name: not name.endswith("bias")``). No state.
+    """
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None):
+        if weight_decay == 0:  # static: keeps the same state layout whatever the value
+            return updates, state
+        _require_params(params, "add_decayed_weights")
+        selected = decay_mask(mask, params)
+        decayed = tree_map(lambda u, p, on: u.add(p, alpha=weight_decay) if on else u,
+                           updates, params, selected)
+        return decayed, state
+
+    return GradientTransformation(init, update, Hyperparams(
+        name="add_decayed_weights", elementwise=True, weight_decay=weight_decay, mask=mask))
+
+
+# --------------------------------------------------------------------------
+# Learning rate
+
+
+class ScaleByLearningRateState(NamedTuple):
+    count: torch.Tensor          # int64 0-d: updates applied so far
+    learning_rate: torch.Tensor  # float32 0-d: the rate of the latest update (before any: of the first)
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, decoupled_weight_decay: float = 0.0,
+                           mask: Mask = None) -> GradientTransformation:
+    """Descend: ``lr = schedule(count)``, then ``u ← −lr·u``.
+
+    With ``decoupled_weight_decay = λ`` it also applies AdamW's decay, in
+    torch.optim.AdamW's order so that ``p + u`` reproduces
+    ``p·(1 − lr·λ) − lr·u`` to the last bit in almost every element::
+
+        u ← −lr·u + (p·(1 − lr·λ) − p)       (the bracket is exact in fp32)
+
+    ``mask`` selects the decayed parameters by name, as in `add_decayed_weights`.
+    ``learning_rate`` is a number or a schedule (`zfunc.optim.schedules`).
+    The state records the rate used, readable with `zfunc.optim.learning_rate`.
+    """
+    schedule = as_schedule(learning_rate)
+    if not 0 <= decoupled_weight_decay < float("inf"):
+        raise ValueError(f"decoupled_weight_decay must be a finite number >= 0, got {decoupled_weight_decay!r}")
+
+    def init(params: PyTree) -> ScaleByLearningRateState:
+        count = _zero_count(params)
+        return ScaleByLearningRateState(count, schedule(count))
+
+    def update(updates: PyTree, state: ScaleByLearningRateState, params: PyTree = None):
+        lr = schedule(state.count)
+        neg_lr = -lr
+        if decoupled_weight_decay == 0:
+            descended = tree_map(lambda u: neg_lr * u, updates)
+        else:
+            _require_params(params, "scale_by_learning_rate(decoupled_weight_decay=...)")
+            # 1 − lr·λ rounded once to fp32, like torch's Python-float factor.
+            keep = (1 - lr.to(torch.float64) * decoupled_weight_decay).to(lr.dtype)
+            selected = decay_mask(mask, params)
+            descended = tree_map(lambda u, p, on: neg_lr * u + (p * keep - p) if on else neg_lr * u,
+                                 updates, params, selected)
+        return descended, ScaleByLearningRateState(state.count + 1, lr)
+
+    return GradientTransformation(init, update, Hyperparams(
+        name="scale_by_learning_rate", elementwise=True, learning_rate=learning_rate, schedule=schedule,
+        decoupled_weight_decay=decoupled_weight_decay, mask=mask))
+
+
+# --------------------------------------------------------------------------
+# Momentum
+
+
+class TraceState(NamedTuple):
+    count: torch.Tensor  # int64 0-d: updates applied so far
+    trace: PyTree        # momentum buffer b, like params
+
+
+def trace(momentum: float, nesterov: bool = False, dampening: float = 0.0) -> GradientTransformation:
+    """Heavy-ball momentum with torch.optim.SGD's semantics::
+
+        b ← u                                  on the first update
+        b ← momentum·b + (1 − dampening)·u     afterwards
+        u ← u + momentum·b   if nesterov   else   u ← b
+    """
+
+    def init(params: PyTree) -> TraceState:
+        return TraceState(_zero_count(params), tree_zeros_like(params))
+
+    def update(updates: PyTree, state: TraceState, params: PyTree = None):
+        def new_buffer(b: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+            running = (b * momentum).add(u, alpha=1 - dampening)
+            if dampening == 0:
+                # From b = 0 the running formula gives exactly u on the first update.
+                return running
+            return torch.where(state.count == 0, u, running)
+
+        buffers = tree_map(new_buffer, state.trace, updates)
+        if nesterov:
+            out = tree_map(lambda u, b: u.add(b, alpha=momentum), updates, buffers)
+        else:
+            out = buffers
+        return out, TraceState(state.count + 1, buffers)
+
+    return GradientTransformation(init, update, Hyperparams(
+        name="trace", elementwise=True, momentum=momentum, nesterov=nesterov, dampening=dampening))
+
+
+# --------------------------------------------------------------------------
+# Trust ratio (LAMB)
+
+
+def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> GradientTransformation:
+    """LAMB's layer-wise trust ratio, per leaf::
+
+        r = trust_coefficient · ‖p‖₂ / (‖u‖₂ + eps),   r = 1 where ‖p‖ = 0 or ‖u‖ = 0
+        u ← r · u
+
+    The per-leaf sums of squares of ``p`` and ``u`` are stacked into one
+    tensor and summed over shards by a single `zfunc.interpret.psum`, so
+    under `shard` the norms are those of the whole parameters. Not
+    elementwise (each leaf needs its own norms). No state.
+    """
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None):
+        from zfunc.interpret import psum  # noqa: PLC0415 (interpret sits above optim)
+
+        _require_params(params, "scale_by_trust_ratio")
+        u_leaves, treedef = tree_flatten(updates)
+        p_leaves = tree_leaves(params)
+        if not u_leaves:
+            return updates, state
+        squares = [x.float().square().sum() for x in p_leaves + u_leaves]
+        norms = psum(torch.stack(squares)).sqrt()
+        param_norms, update_norms = norms[: len(p_leaves)], norms[len(p_leaves):]
+        ratio = trust_coefficient * param_norms / (update_norms + eps)
+        ratio = torch.where((param_norms == 0) | (update_norms == 0), 1.0, ratio)
+        scaled = [u * r.to(u.dtype) for u, r in zip(u_leaves, ratio.unbind())]
+        return tree_unflatten(treedef, scaled), state
+
+    return GradientTransformation(init, update, Hyperparams(
+        name="scale_by_trust_ratio", elementwise=False, trust_coefficient=trust_coefficient, eps=eps))

@@ -1,0 +1,132 @@
+"""Recompute a function in backward instead of saving its activations.
+
+`recompute(body, params, *args, **kwargs)` returns ``body(params, *args,
+**kwargs)`` but keeps from the forward pass only its inputs (and the RNG
+state); backward re-runs ``body`` under `torch.func.vjp` with
+``create_graph=False`` and pulls the gradients through it.
+
+Why not `torch.utils.checkpoint`: it fails inside `torch.func` transforms (and
+so inside zfunc's `value_and_grad`), and `saved_tensors_hooks` are refused
+there too (DESIGN.md). An `autograd.Function` with ``setup_context`` works
+under them. Both the `checkpoint` transform and `shard(stage=3)` use this:
+when ``body`` starts by gathering its parameters from shards, the gather is
+simply re-run in backward, so a block's full parameters are alive only while
+that block runs, forward or backward.
+
+``params`` is the dict of tensors that gradients flow to (a block's own
+parameters, or their shards); ``args``/``kwargs`` may hold tensors (which get
+gradients when they require them) and any other values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from zfunc.tree import tree_flatten, tree_unflatten
+
+
+class RNGState:
+    """The CPU and current-CUDA-device RNG states, captured to replay dropout."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
+def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
+              save: Callable[[dict, tuple], tuple] | None = None, **kwargs: Any) -> Any:
+    """``body(params, *args, **kwargs)`` without saving its activations.
+
+    ``save`` (optional) lets a policy choose how the inputs are kept for
+    backward: ``save(kept_tensors) -> (stored, load)`` where ``load(stored)``
+    returns them (e.g. moved to host memory and back).
+    """
+    keys = list(params)
+    flat, spec = tree_flatten((args, kwargs))
+    is_tensor = [isinstance(x, torch.Tensor) for x in flat]
+    tensors = [x for x, t in zip(flat, is_tensor) if t]
+    others = [x for x, t in zip(flat, is_tensor) if not t]
+
+    def run(param_values, tensor_values):
+        it_t, it_o = iter(tensor_values), iter(others)
+        merged = [next(it_t) if t else next(it_o) for t in is_tensor]
+        a, kw = tree_unflatten(spec, merged)
+        return body(dict(zip(keys, param_values)), *a, **kw)
+
+    ctx_info = _Plan(run, len(keys), save)
+    outputs = _RecomputeFunction.apply(ctx_info, *[params[k] for k in keys], *tensors)
+    return tree_unflatten(ctx_info.out_spec, list(outputs))
+
+
+class _Plan:
+    """What the Function needs besides tensors (functions, counts, output structure)."""
+
+    def __init__(self, run: Callable, num_params: int, save) -> None:
+        self.run, self.num_params, self.save = run, num_params, save
+        self.out_spec = None
+        self.rng: RNGState | None = None
+
+
+class _RecomputeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(plan: _Plan, *inputs: torch.Tensor):
+        plan.rng = RNGState()
+        params, tensors = inputs[:plan.num_params], inputs[plan.num_params:]
+        with torch.no_grad():
+            out = plan.run(list(params), list(tensors))
+        leaves, plan.out_spec = tree_flatten(out)
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            raise TypeError("a recomputed block must return tensors (or a tuple/dict of tensors)")
+        # Returned tensors must not alias inputs (autograd would see a view of
+        # a saved input); blocks rarely return an input unchanged, but be safe.
+        return tuple(x.clone() if any(x is i for i in inputs) else x for x in leaves)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        plan, *tensors = inputs
+        ctx.plan = plan
+        if plan.save is not None:
+            stored, ctx.load = plan.save(tuple(tensors))
+            ctx.stored = stored
+            ctx.save_for_backward()
+        else:
+            ctx.load = None
+            ctx.save_for_backward(*tensors)
+        ctx.needs = [t.requires_grad if isinstance(t, torch.Tensor) else False for t in tensors]
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        plan: _Plan = ctx.plan
+        inputs = list(ctx.load(ctx.stored)) if ctx.load is not None else list(ctx.saved_tensors)
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        # Replay the forward's RNG so dropout masks are the same; restore ours after.
+        with torch.random.fork_rng(devices=_rng_devices()):
+            plan.rng.restore()
+
+            def rerun(*diff):
+                values = list(inputs)
+                for i, d in zip(wanted, diff):
+                    values[i] = d
+                out = plan.run(values[:plan.num_params], values[plan.num_params:])
+                return tuple(tree_flatten(out)[0])
+
+            with torch.enable_grad():
+                _, vjp_fn = torch.func.vjp(rerun, *[inputs[i].detach() for i in wanted])
+            grads = vjp_fn(tuple(grad_outputs), retain_graph=False, create_graph=False)
+        result: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, g in zip(wanted, grads):
+            result[i] = g
+        return (None, *result)
+
+
+def _rng_devices() -> list[int]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return [torch.cuda.current_device()]
+    return []

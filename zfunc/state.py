@@ -1,0 +1,95 @@
+"""`TrainState`: everything one training step reads and writes.
+
+Fields (all pytrees of tensors, so that tree utilities, torch.func and
+checkpoints see the whole state):
+
+- ``step``: an int64 0-d tensor, the number of optimizer updates applied
+  (a tensor, so `torch.compile` does not recompile as it grows);
+- ``params``: the trainable parameters, keyed like `functional`'s params. In a
+  transformed step they are in that stack's layout (a compute-dtype copy under
+  `mixed_precision`, shards under `shard(stage=3)`);
+- ``opt_state``: the optimizer's state (a NamedTuple per transformation);
+- ``extras``: a dict of per-transform state keyed by transform name (the fp32
+  master and loss scale of `mixed_precision`, the layout of `shard`, ...), so
+  that whatever saves and restores a state restores the transforms too.
+
+``tx`` (the optimizer) is static: it is part of the tree structure, not a leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from zfunc.interpret import dispatch
+from zfunc.optim import GradientTransformation, apply_updates
+from zfunc.tree import describe_mismatch, register_pytree_node, tree_structure
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    step: torch.Tensor
+    params: dict[str, torch.Tensor]
+    opt_state: Any
+    tx: GradientTransformation = dataclasses.field(repr=False)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def create(cls, params: dict[str, torch.Tensor], tx: GradientTransformation) -> "TrainState":
+        """A fresh state: ``step = 0``, ``opt_state = tx.init(params)``."""
+        if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
+            raise TypeError("TrainState.create takes params as a dict of tensors (from zf.functional(model))")
+        if not (hasattr(tx, "init") and hasattr(tx, "update")):
+            raise TypeError(f"TrainState.create takes an optimizer (zf.optim.*), got {type(tx).__name__}")
+        device = next(iter(params.values())).device if params else None
+        return cls(step=torch.zeros((), dtype=torch.int64, device=device), params=dict(params),
+                   opt_state=tx.init(params), tx=tx)
+
+    def replace(self, **changes: Any) -> "TrainState":
+        """A copy with some fields replaced (the state itself is immutable)."""
+        return dataclasses.replace(self, **changes)
+
+    def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
+        """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
+        ``params ← params + updates``, ``step ← step + 1``.
+
+        Under transforms this is where gradients are unscaled, partitioned,
+        moved to the host or fed to a fused kernel; the result is the same.
+        The state it is called on is consumed (it may be updated in place):
+        use the returned one.
+        """
+        return dispatch("apply_gradients", plain_apply_gradients, self, grads)
+
+
+def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor]) -> TrainState:
+    """The untransformed update (pure: new tensors, inputs untouched)."""
+    check_grads_match(state.params, grads)
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = apply_updates(state.params, updates)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+
+def check_grads_match(params: Any, grads: Any) -> None:
+    """Raise a readable error if ``grads`` is not shaped like ``params``."""
+    if isinstance(params, dict) and isinstance(grads, dict):
+        problems = describe_mismatch(params, grads, what="grads")
+        if problems:
+            raise ValueError("grads do not match params:\n" + problems +
+                             "\nPass the grads returned by zf.value_and_grad for these params.")
+        return
+    if tree_structure(params) != tree_structure(grads):
+        raise ValueError(f"grads have structure {tree_structure(grads)}, params {tree_structure(params)}")
+
+
+def _flatten(state: TrainState):
+    return (state.step, state.params, state.opt_state, state.extras), state.tx
+
+
+def _unflatten(tx, children) -> TrainState:
+    step, params, opt_state, extras = children
+    return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras)
+
+
+register_pytree_node(TrainState, _flatten, _unflatten)

@@ -1,0 +1,9 @@
+"""Step transforms: each takes a step and returns a step that computes the same thing differently.
+
+Stack them as ``shard(offload(compute(step)))``, where compute is any mix of
+`accumulate`, `checkpoint` and `mixed_precision`.
+"""
+
+from zfunc.transforms.accumulate import accumulate
+
+__all__ = ["accumulate"]

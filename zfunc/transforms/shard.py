@@ -1,0 +1,299 @@
+"""`shard`: ZeRO stages 1, 2 and 3 as a transform over torch.distributed.
+
+Data parallelism with partitioned state. Every rank runs the same step on its
+own local batch; gradients are averaged over ranks (DDP semantics), so N
+ranks on N local batches equal one process on their concatenation with a
+mean loss. What is partitioned (Ψ parameters, N ranks; units and flat
+buffers as in `shard_layout`):
+
+=========  ====================================================  ===========================
+stage      partitioned                                           collectives per step
+=========  ====================================================  ===========================
+1          optimizer state (and fp32 master): each rank          reduce-scatter grads after
+           updates its 1/N and all-gathers the parameters        backward + all-gather: 2Ψ
+2          + gradients: reduce-scattered unit by unit while      the same 2Ψ, during backward
+           backward runs; no full gradient beyond one unit
+3          + parameters: a unit is all-gathered just before      all-gather forward, again in
+           it runs, freed after, re-gathered in backward         backward, reduce-scatter: 3Ψ
+=========  ====================================================  ===========================
+
+How it falls out of the primitives:
+
+- ``value_and_grad``: differentiates with respect to this rank's parameter
+  *shards*; the model sees full parameters through `dist.AllGather` (stage 3)
+  or `dist.Replicated` (stage 2), whose backward reduce-scatters, so the
+  gradients arrive sharded. Stage 1 reduce-scatters the full gradients once
+  after backward (after all micro-batches under `accumulate`). In every stage
+  the step sees gradients as this rank's 1-D shards, keyed like params.
+- ``apply``: stage 3 gathers the root unit once per call and each block unit
+  inside the block (a "materialize" wrapper); the block is recomputed in
+  backward (`zfunc.recompute`) so its gathered weights are not kept by
+  autograd between forward and backward: only the running block is whole.
+- ``apply_gradients``: the inner transforms and the optimizer run on this
+  rank's shards (the state's param-shaped dicts are 1-D views into flat
+  per-unit buffers); the results are written back into those buffers and,
+  in stages 1 and 2, the updated shards are all-gathered into the full
+  parameters in place.
+- ``psum``: an all-reduce, so norms and overflow checks are global.
+
+Metrics gain ``comm_elements`` (elements this rank moved in collectives this
+step), used by the tests that check the ZeRO volumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+
+from zfunc import dist
+from zfunc.interpret import Transform
+from zfunc.transforms.shard_layout import (
+    ROOT, ShardLayout, UnitLayout, make_layout, map_param_shaped, zip_param_shaped,
+)
+
+
+class ShardedParams(dict):
+    """The params handed to a loss function under `shard` stages 2 and 3.
+
+    A dict of this rank's 1-D parameter shards. ``apply_fn`` recognizes it and
+    gathers full parameters; pass it to ``apply_fn`` as it is (a plain dict
+    copy of it would lose that).
+    """
+
+    def __init__(self, shards: dict, full_flats: dict[str, torch.Tensor] | None) -> None:
+        super().__init__(shards)
+        self.full_flats = full_flats  # stage 2: unit name -> resident full flat buffer
+
+
+class _Call:
+    """Scratch of one step call: layout, group and the communication counter."""
+
+    def __init__(self, layout: ShardLayout, group: dist.Group) -> None:
+        self.layout, self.group = layout, group
+        self.counter = dist.CommCounter()
+        self.sharded_applies = 0
+
+
+class shard(Transform):  # noqa: N801
+    """ZeRO data parallelism: ``shard(step, stage=1|2|3, group=None, units=None)``.
+
+    ``group``: a torch.distributed process group (default: the world; a world
+    of 1 when torch.distributed is not initialized). ``units``: module names
+    gathered/reduced as one collective each (default: the model's repeated
+    blocks, read off parameter names; everything else is the root unit).
+    """
+
+    name = "shard"
+    level = 2
+
+    def __init__(self, step: Callable, stage: Literal[1, 2, 3] = 3, group: Any = None,
+                 units: Sequence[str] | None = None) -> None:
+        if stage not in (1, 2, 3):
+            raise ValueError(f"shard: stage must be 1, 2 or 3, got {stage!r}")
+        super().__init__(step)
+        self.stage, self.group, self.units = stage, group, None if units is None else list(units)
+        self._call: _Call | None = None
+
+    def settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stage": self.stage}
+        if self.units is not None:
+            out["units"] = self.units
+        return out
+
+    # -- layout --------------------------------------------------------------
+    def init_state(self, state):
+        if "shard" in state.extras:
+            raise ValueError("shard.init: this state is already sharded; pass the plain state from TrainState.create")
+        group = dist.Group.resolve(self.group)
+        params = state.params
+        layout = make_layout(params, self.stage, group.size, group.rank, self.units)
+        keys = set(params)
+        partition = lambda tree: _partition(tree, layout)  # noqa: E731
+        opt_state = map_param_shaped(state.opt_state, keys, partition)
+        extras = map_param_shaped(dict(state.extras), keys, partition)
+        if self.stage == 3:
+            new_params = _partition(params, layout)
+        else:  # full parameters, stored as views of one flat buffer per unit
+            new_params = {}
+            for unit in layout.units:
+                new_params.update(unit.full_views(unit.pack_full(params)))
+        return state.replace(params=new_params, opt_state=opt_state, extras={**extras, "shard": layout})
+
+    def gather_params(self, state, next) -> dict[str, torch.Tensor]:
+        layout, group = self._check_layout(state)
+        shards = next(state.replace(params=self._param_shards(state, layout)))
+        full = {}
+        for unit in layout.units:
+            flat = dist.all_gather_flat(unit.cat_shard(shards, group.rank).detach(), group)
+            full.update({k: v.clone() for k, v in unit.full_views(flat).items()})
+        return full
+
+    def _check_layout(self, state) -> tuple[ShardLayout, dist.Group]:
+        layout = state.extras.get("shard")
+        if not isinstance(layout, ShardLayout):
+            raise ValueError("this state is not in shard's layout: call step.init(state) on the plain state first")
+        group = dist.Group.resolve(self.group)
+        if (layout.world_size, layout.rank) != (group.size, group.rank):
+            raise ValueError(
+                f"this state was sharded for rank {layout.rank} of {layout.world_size}, but this process is rank "
+                f"{group.rank} of {group.size}; restore it with zfunc.io.restore(dir, like=step.init(...)) "
+                "to reshard it for this world size")
+        if layout.stage != self.stage:
+            raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
+        return layout, group
+
+    def _param_shards(self, state, layout: ShardLayout) -> dict[str, torch.Tensor]:
+        """This rank's 1-D slices of the parameters (views, no copy)."""
+        if layout.stage == 3:
+            return dict(state.params)
+        shards = {}
+        for unit in layout.units:
+            flat = unit.flat_of({k: state.params[k] for k in unit.keys}, unit.padded)
+            if flat is None:
+                flat = unit.pack_full(state.params)
+            region = flat[layout.rank * unit.shard_size:(layout.rank + 1) * unit.shard_size]
+            shards.update(unit.shard_views(region, layout.rank))
+        return shards
+
+    # -- the step ------------------------------------------------------------
+    def run(self, state, batch):
+        layout, group = self._check_layout(state)
+        outer, self._call = self._call, _Call(layout, group)
+        try:
+            new_state, metrics = self.step(state, batch)
+            metrics = {**metrics, "comm_elements": self._call.counter.total}
+        finally:
+            self._call = outer
+        return new_state, metrics
+
+    def _active(self) -> _Call:
+        if self._call is None:
+            raise RuntimeError("shard's primitives ran outside its step")
+        return self._call
+
+    def psum(self, next, x):
+        call = self._active()
+        return next(dist.all_reduce_sum(x, call.group, call.counter))
+
+    def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
+        call = self._active()
+        layout, group = call.layout, call.group
+        if self.stage == 1:
+            value, grads = next(fn, params, args, kwargs, has_aux)
+            sharded = {}
+            for unit in layout.units:
+                flat = unit.pack_full(grads)
+                sharded.update(unit.shard_views(dist.reduce_scatter_flat(flat, group, call.counter), group.rank))
+            return value, sharded
+        full_flats = None
+        if self.stage == 2:
+            full_flats = {u.name: u.flat_of({k: params[k] for k in u.keys}, u.padded) for u in layout.units}
+            shards = self._param_shards_from(params, layout)
+        else:
+            shards = dict(params)
+        before = call.sharded_applies
+
+        def loss_on_shards(shard_params, *a, **kw):
+            return fn(ShardedParams(shard_params, full_flats), *a, **kw)
+
+        value, grads = next(loss_on_shards, shards, args, kwargs, has_aux)
+        if call.sharded_applies == before:
+            raise RuntimeError(
+                "shard: the loss function did not run the model on the params it was given; under shard, pass "
+                "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        return value, grads
+
+    def _param_shards_from(self, params, layout):
+        shards = {}
+        for unit in layout.units:
+            flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
+            if flat is None:
+                raise RuntimeError("shard: state.params are not in shard's flat layout; use the state the step returned")
+            region = flat[layout.rank * unit.shard_size:(layout.rank + 1) * unit.shard_size]
+            shards.update(unit.shard_views(region, layout.rank))
+        return shards
+
+    def apply(self, next, model_call):
+        params = model_call.params
+        if not (self.stage == 3 or isinstance(params, ShardedParams)):
+            return next(model_call)  # full parameters (stage 1/2 outside the loss)
+        call = self._active()
+        call.sharded_applies += 1
+        layout, group = call.layout, call.group
+        full_flats = params.full_flats if isinstance(params, ShardedParams) else None
+        unit_of = layout.unit_of()
+        _check_ties(model_call, unit_of)
+
+        def materialize(unit: UnitLayout, slices: dict) -> dict:
+            flat_shard = unit.cat_shard(slices, group.rank)
+            if full_flats is None:
+                full = dist.AllGather.apply(flat_shard, group, call.counter)
+            else:
+                full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter)
+            return unit.full_views(full)
+
+        new_params = dict(params)
+        for unit in layout.units:
+            if unit.name == ROOT:
+                new_params.update(materialize(unit, params))
+                continue
+            local = model_call.block_param_names(unit.name)  # local name -> key
+
+            def wrapper(name, body, unit=unit, local=local):
+                def gathered_body(block_params, *args, **kwargs):
+                    slices = {local[n]: t for n, t in block_params.items()}
+                    full = materialize(unit, slices)
+                    return body({n: full[k] for n, k in local.items()}, *args, **kwargs)
+                return gathered_body
+
+            model_call.wrap_block(unit.name, wrapper, kind="materialize")
+            if self.stage == 3:
+                model_call.require_recompute(unit.name)
+        model_call.params = new_params
+        return next(model_call)
+
+    def apply_gradients(self, next, state, grads):
+        call = self._active()
+        layout, group = call.layout, call.group
+        keys = set(layout.keys)
+        if set(grads) != keys:
+            raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
+        shards = self._param_shards(state, layout)
+        new = next(state.replace(params=shards), grads)
+
+        def write_back(old: dict, fresh: dict) -> dict:
+            for k, t in old.items():
+                if fresh[k] is not t:
+                    t.copy_(fresh[k])
+            return old
+
+        write_back(shards, new.params)
+        opt_state = zip_param_shaped(state.opt_state, new.opt_state, keys, write_back)
+        extras = zip_param_shaped(state.extras, new.extras, keys, write_back)
+        if self.stage != 3:
+            for unit in layout.units:
+                flat = unit.flat_of({k: state.params[k] for k in unit.keys}, unit.padded)
+                region = flat[group.rank * unit.shard_size:(group.rank + 1) * unit.shard_size]
+                dist.all_gather_flat(region.clone(), group, call.counter, out=flat)
+        return state.replace(step=new.step, opt_state=opt_state, extras={**extras, "shard": layout})
+
+
+def _partition(tree: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
+    """This rank's 1-D slices of a dict of full tensors, as views of new flat shards."""
+    out = {}
+    for unit in layout.units:
+        full = unit.pack_full(tree)
+        lo = layout.rank * unit.shard_size
+        out.update(unit.shard_views(full[lo:lo + unit.shard_size].clone(), layout.rank))
+    return out
+
+
+def _check_ties(model_call, unit_of: dict[str, UnitLayout]) -> None:
+    """A parameter of a block unit must not also be used outside that block."""
+    for name, key in model_call.aliases.items():
+        unit = unit_of.get(key)
+        if unit is not None and unit.name != ROOT and not name.startswith(unit.name + "."):
+            raise NotImplementedError(
+                f"shard: {name!r} is tied to {key!r}, which lives in block {unit.name!r}; weights tied across "
+                "blocks are not supported in a block unit. Pass units= without that block.")

@@ -1,0 +1,234 @@
+"""Where each parameter's elements live under `shard`: units, flat buffers, rank slices.
+
+A *unit* is a group of parameters that is gathered (stage 3) or
+reduce-scattered (stage 2) with one collective: by default each of the
+model's repeated blocks is a unit, and every other parameter belongs to the
+root unit ``""``. A unit's parameters, flattened and concatenated in key
+order, form one flat buffer padded with zeros to a multiple of N; rank r owns
+the contiguous slice ``[r·S, (r+1)·S)`` of it, S = padded/N. So a parameter may
+be split between ranks, and a rank's slice of a parameter may be empty.
+
+Per-parameter tensors in the state (shards, optimizer moments, masters) are
+1-D *views* into one flat buffer per unit, so a collective or a fused
+optimizer kernel can take a whole unit at once without copying, while the
+optimizer and the user still see a dict keyed by parameter name
+(FSDP1's FlatParameter without the wrapper type).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Iterable
+
+import torch
+
+from zfunc.tree import register_pytree_node
+
+ROOT = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitLayout:
+    """One unit: its parameter keys, shapes and offsets in its flat buffer."""
+
+    name: str
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    world_size: int
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(_prod(s) for s in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, pos = [], 0
+        for n in self.numels:
+            out.append(pos)
+            pos += n
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def shard_size(self) -> int:
+        return -(-self.numel // self.world_size)
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.world_size
+
+    def local_range(self, index: int, rank: int) -> tuple[int, int]:
+        """``[a, b)``: the elements of parameter ``index`` (flattened) owned by ``rank``."""
+        start, n = self.offsets[index], self.numels[index]
+        lo, hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        a, b = max(start, lo) - start, min(start + n, hi) - start
+        return (a, b) if b > a else (0, 0)
+
+    def shard_position(self, index: int, rank: int) -> int:
+        """Where parameter ``index``'s local slice starts in ``rank``'s flat shard."""
+        a, b = self.local_range(index, rank)
+        return self.offsets[index] + a - rank * self.shard_size if b > a else 0
+
+    # -- building and viewing flat buffers ------------------------------
+    def shard_views(self, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+        """Per-key 1-D views of ``rank``'s flat shard."""
+        out = {}
+        for i, key in enumerate(self.keys):
+            a, b = self.local_range(i, rank)
+            pos = self.shard_position(i, rank)
+            out[key] = flat_shard[pos:pos + (b - a)]
+        return out
+
+    def full_views(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-key views, in their shapes, of a gathered flat buffer."""
+        return {key: flat_full[o:o + n].view(shape)
+                for key, o, n, shape in zip(self.keys, self.offsets, self.numels, self.shapes)}
+
+    def pack_full(self, tensors: dict[str, torch.Tensor], like: torch.Tensor | None = None) -> torch.Tensor:
+        """A new padded flat buffer holding ``tensors`` (full shapes)."""
+        ref = like if like is not None else tensors[self.keys[0]]
+        flat = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)
+        for key, o, n in zip(self.keys, self.offsets, self.numels):
+            flat[o:o + n].copy_(tensors[key].reshape(-1))
+        return flat
+
+    def cat_shard(self, slices: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s flat shard from its per-key slices (differentiable; pads with zeros)."""
+        parts = [slices[k].reshape(-1) for k in self.keys if slices[k].numel()]
+        used = sum(p.numel() for p in parts)
+        ref = slices[self.keys[0]]
+        if used < self.shard_size:
+            parts.append(ref.new_zeros(self.shard_size - used))
+        return torch.cat(parts) if len(parts) > 1 else parts[0].reshape(-1)
+
+    def flat_of(self, views: dict[str, torch.Tensor], size: int) -> torch.Tensor | None:
+        """The flat buffer that ``views`` are views of, if they are exactly ours.
+
+        Returns None when they are not (e.g. a caller replaced them with new
+        tensors); the caller then repacks.
+        """
+        first = views[self.keys[0]]
+        storage = first.untyped_storage()
+        if storage.nbytes() != size * first.element_size():
+            return None
+        base = storage.data_ptr()
+        flat = first.new_empty(0).set_(storage, 0, (size,))
+        return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """The sharding of a whole state: stage, world size, rank, units.
+
+    Lives in ``state.extras["shard"]`` so that checkpoints carry it. It is a
+    pytree node with no leaves (all static), invisible to tree maps.
+    """
+
+    stage: int
+    world_size: int
+    rank: int
+    units: tuple[UnitLayout, ...]
+
+    def unit_of(self) -> dict[str, UnitLayout]:
+        return {key: unit for unit in self.units for key in unit.keys}
+
+    @property
+    def keys(self) -> set[str]:
+        return {k for u in self.units for k in u.keys}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "units": [{"name": u.name, "keys": list(u.keys), "shapes": [list(s) for s in u.shapes]}
+                          for u in self.units]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ShardLayout":
+        n = data["world_size"]
+        units = tuple(UnitLayout(u["name"], tuple(u["keys"]), tuple(tuple(s) for s in u["shapes"]), n)
+                      for u in data["units"])
+        return cls(data["stage"], n, data["rank"], units)
+
+
+register_pytree_node(ShardLayout, lambda layout: ((), layout), lambda layout, _: layout)
+
+
+def make_layout(params: dict[str, torch.Tensor], stage: int, world_size: int, rank: int,
+                unit_names: Iterable[str] | None = None) -> ShardLayout:
+    """Group ``params`` into units (repeated blocks by default, the rest in the root)."""
+    names = list(unit_names) if unit_names is not None else repeated_prefixes(params)
+    groups: dict[str, list[str]] = {name: [] for name in [ROOT, *names]}
+    for key in params:
+        owner = next((n for n in names if key.startswith(n + ".")), ROOT)
+        groups[owner].append(key)
+    units = tuple(UnitLayout(name, tuple(keys), tuple(tuple(params[k].shape) for k in keys), world_size)
+                  for name, keys in groups.items() if keys)
+    return ShardLayout(stage, world_size, rank, units)
+
+
+def repeated_prefixes(params: dict[str, Any]) -> list[str]:
+    """Module names of the repeated blocks, read off parameter names.
+
+    For names like ``blocks.3.mlp.weight`` the candidate container is
+    ``blocks``; the container with the most integer-indexed children whose
+    parameter names have the same suffixes wins (a transformer's layers).
+    """
+    children: dict[str, dict[int, set[str]]] = {}
+    for key in params:
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if re.fullmatch(r"\d+", part):
+                prefix = ".".join(parts[:i])
+                children.setdefault(prefix, {}).setdefault(int(part), set()).add(".".join(parts[i + 1:]))
+    best: list[str] = []
+    for prefix, kids in children.items():
+        suffixes = {frozenset(s) for s in kids.values()}
+        if len(kids) > 1 and len(suffixes) == 1 and len(kids) > len(best):
+            head = f"{prefix}." if prefix else ""
+            best = [f"{head}{i}" for i in sorted(kids)]
+    return best
+
+
+# --------------------------------------------------------------------------
+# Param-shaped subtrees: dicts keyed exactly like params (moments, masters).
+
+
+def is_param_shaped(node: Any, keys: set[str]) -> bool:
+    return isinstance(node, dict) and node.keys() == keys and all(isinstance(v, torch.Tensor)
+                                                                  for v in node.values())
+
+
+def map_param_shaped(tree: Any, keys: set[str], fn: Callable[[dict], dict]) -> Any:
+    """Rebuild ``tree`` with every param-shaped dict ``d`` replaced by ``fn(d)``."""
+    if is_param_shaped(tree, keys):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: map_param_shaped(v, keys, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(map_param_shaped(v, keys, fn) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_param_shaped(v, keys, fn) for v in tree)
+    return tree
+
+
+def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dict], dict]) -> Any:
+    """Walk two trees of the same shape; param-shaped pairs become ``fn(old, new)``, the rest ``new``."""
+    if is_param_shaped(old, keys) and isinstance(new, dict):
+        return fn(old, new)
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {k: zip_param_shaped(old.get(k), v, keys, fn) for k, v in new.items()}
+    if isinstance(old, tuple) and hasattr(old, "_fields") and type(new) is type(old):
+        return type(new)(*(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new)))
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
+        return type(new)(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new))
+    return new
+
+
+def _prod(shape: Iterable[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

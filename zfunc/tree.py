@@ -1,0 +1,135 @@
+"""Pytree utilities.
+
+zfunc's pytrees are nested dicts, lists, tuples and NamedTuples of tensors, plus
+zfunc's own state types (`TrainState`), which are registered both with optree
+(namespace ``"zfunc"``) and with torch's own pytree registry, because
+torch.func flattens with the latter and would otherwise treat a TrainState as
+one opaque leaf.
+
+Every function here takes and returns plain pytrees; nothing is mutated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+import torch.utils._pytree as torch_pytree
+
+NAMESPACE = "zfunc"
+
+PyTree = Any
+
+
+def register_pytree_node(cls: type, flatten: Callable, unflatten: Callable) -> None:
+    """Register ``cls`` with optree (namespace ``zfunc``) and torch's pytree.
+
+    ``flatten(obj) -> (children, aux)`` and ``unflatten(aux, children) -> obj``,
+    with ``aux`` hashable static data (compared when trees are matched).
+    """
+    optree.register_pytree_node(cls, flatten, lambda aux, children: unflatten(aux, children),
+                                namespace=NAMESPACE)
+    torch_pytree.register_pytree_node(
+        cls,
+        lambda obj: flatten(obj),
+        lambda children, aux: unflatten(aux, children),
+        serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+    )
+
+
+def tree_leaves(tree: PyTree) -> list:
+    """Leaves of ``tree`` in a deterministic order (dicts by sorted key)."""
+    return optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_flatten(tree: PyTree):
+    """``(leaves, treedef)``; ``tree_unflatten(treedef, leaves)`` inverts it."""
+    return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_unflatten(treedef, leaves) -> PyTree:
+    return optree.tree_unflatten(treedef, leaves)
+
+
+def tree_structure(tree: PyTree):
+    return optree.tree_structure(tree, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
+    """Apply ``fn`` leaf-wise over ``tree`` and trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_map_with_path(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
+    """Like `tree_map`, with ``fn(path, leaf, ...)``; ``path`` is a tuple of keys."""
+    return optree.tree_map_with_path(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
+
+
+def tree_map_tensors(fn: Callable[[torch.Tensor], Any], tree: PyTree) -> PyTree:
+    """Apply ``fn`` to tensor leaves only; other leaves pass through unchanged."""
+    return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def tree_zeros_like(tree: PyTree) -> PyTree:
+    return tree_map(torch.zeros_like, tree)
+
+
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
+    return tree_map(torch.add, a, b)
+
+
+def tree_scale(tree: PyTree, factor) -> PyTree:
+    return tree_map(lambda x: x * factor, tree)
+
+
+def tree_cast(tree: PyTree, dtype: torch.dtype) -> PyTree:
+    """Cast floating-point tensor leaves to ``dtype`` (others untouched)."""
+    return tree_map_tensors(lambda x: x.to(dtype) if x.is_floating_point() else x, tree)
+
+
+def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
+    """Σ over all elements of all leaves of x², accumulated in fp32.
+
+    This is a *local* quantity: under `shard` each rank holds only its shards;
+    use `zfunc.psum` (as `global_norm` does) to sum it over ranks.
+    """
+    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=leaves[0].device)
+    for x in leaves:
+        if x.numel():
+            total = total + x.float().square().sum()
+    return total
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """‖tree‖₂ = sqrt(Σ_leaves Σ x²), over all shards when run under `shard`."""
+    from zfunc.interpret import psum  # noqa: PLC0415 (interpret depends on tree)
+
+    return psum(tree_sum_of_squares(tree)).sqrt()
+
+
+def tree_all_finite(tree: PyTree) -> torch.Tensor:
+    """A bool tensor: every element of every floating leaf is finite (local)."""
+    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not leaves:
+        return torch.tensor(True)
+    return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+
+
+def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
+    """A readable list of differences between two flat dicts of tensors."""
+    lines = []
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing:
+        lines.append(f"  missing from {what}: {', '.join(missing)}")
+    if extra:
+        lines.append(f"  unexpected in {what}: {', '.join(extra)}")
+    for k in sorted(set(expected) & set(got)):
+        e, g = expected[k], got[k]
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.shape != g.shape:
+            lines.append(f"  {k}: expected shape {tuple(e.shape)}, got {tuple(g.shape)}")
+    return "\n".join(lines)
