@@ -78,15 +78,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _transform(name: str, flag: str):
     """``zfunc.transforms.<name>``, imported only when its flag asks for it."""
+    import importlib
+    import types
+
     try:
-        from zfunc import transforms
-        return getattr(transforms, name)
+        transform = getattr(importlib.import_module("zfunc.transforms"), name, None)
+        if transform is None or isinstance(transform, types.ModuleType):  # not re-exported (yet)
+            transform = getattr(importlib.import_module(f"zfunc.transforms.{name}"), name)
     except (ImportError, AttributeError) as e:
         raise SystemExit(f"{flag} needs zfunc.transforms.{name}, which this zfunc does not provide ({e})")
+    return transform
 
 
 def _describe(step) -> str:
-    if hasattr(step, "init"):
+    if isinstance(step, zf.Transform):
         return repr(step)
     return f"{getattr(step, '__name__', repr(step))} (plain step, no transforms)"
 
@@ -96,7 +101,7 @@ def _setup_distributed(args):
 
     Under torchrun (WORLD_SIZE set) join its process group: gloo on CPU, NCCL
     on CUDA. ``shard`` without torchrun runs in a world of one process, in a
-    gloo group backed by an in-process store (no sockets, no environment).
+    group backed by an in-process store (no rendezvous, no environment).
     """
     import torch.distributed as dist
 
@@ -113,11 +118,12 @@ def _setup_distributed(args):
 
     created = False
     if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
         if launched:
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+            dist.init_process_group(backend)
             created = True
         elif args.zero_stage > 0:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             created = True
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -129,6 +135,17 @@ def _setup_distributed(args):
         raise SystemExit(f"{world} processes without --zero-stage would train {world} independent "
                          "copies; data parallelism comes from shard: pass --zero-stage 1, 2 or 3")
     return rank, world, device, created
+
+
+def _global_mean(x: torch.Tensor, world: int) -> float:
+    """A metric averaged over ranks (each reports the loss of its own local batch)."""
+    if world == 1:
+        return float(x)
+    import torch.distributed as dist
+
+    x = x.detach().float().clone()
+    dist.all_reduce(x)
+    return float(x) / world
 
 
 def _learning_rate(state, schedule, step_index: int):
@@ -212,14 +229,13 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
     if args.zero_stage:
         step = _transform("shard", "--zero-stage")(step, stage=args.zero_stage)
 
-    state = zf.TrainState.create(params, opt)
-    if hasattr(step, "init"):
-        state = step.init(state)
+    # step.init(state) for a transformed step (shards, master copies, host placement), as is for a plain one
+    state = zf.init(step, zf.TrainState.create(params, opt))
     # ----------------------------------------------------------------------
 
     def full_params(state):
         """Full fp32 parameters on every rank (a collective under shard: all ranks call it)."""
-        return step.gather(state) if hasattr(step, "gather") else state.params
+        return zf.gather(step, state)  # step.gather(state), or state.params for a plain step
 
     eval_data = batches(val_ids, args.batch_size, args.seq_len, seed=args.seed + 1)
     eval_set = [next(eval_data) for _ in range(args.eval_batches)]
@@ -261,7 +277,7 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
         batch = {k: v.to(device, non_blocking=True) for k, v in next(train_data).items()}
         t0 = time.perf_counter()
         state, metrics = step(state, batch)
-        loss = float(metrics["loss"])  # also waits for the step to finish
+        loss = _global_mean(metrics["loss"], world)  # also waits for the step to finish
         dt = time.perf_counter() - t0
         train_time += dt
         window_t, window_n = window_t + dt, window_n + 1

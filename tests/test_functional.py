@@ -104,15 +104,25 @@ def test_params_mismatch_is_a_clear_error():
         apply_fn(bad, make_batch()["x"])
 
 
-def test_buffers_read_from_module_and_inplace_update_is_refused_clearly():
+def test_buffers_update_like_eager_and_are_explained_under_torch_func():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     apply_fn, params = zf.functional(model)
     assert set(params) == {"0.weight", "0.bias", "1.weight", "1.bias"}
-    with pytest.raises(RuntimeError, match="eval mode"):
-        zf.value_and_grad(lambda p, x: apply_fn(p, x).square().mean())(params, torch.randn(8, 3))
-    model.eval()  # running statistics are read, not written: fine
-    loss, grads = zf.value_and_grad(lambda p, x: apply_fn(p, x).square().mean())(params, torch.randn(8, 3))
-    assert torch.isfinite(loss)
+    before = model[1].running_mean.clone()
+    zf.value_and_grad(lambda p, x: apply_fn(p, x).square().mean())(params, torch.randn(8, 3))
+    assert not torch.equal(before, model[1].running_mean)  # as loss.backward() would
+    with pytest.raises(RuntimeError, match="eval mode"):  # torch.func forbids mutating captured buffers
+        torch.func.grad(lambda p, x: apply_fn(p, x).square().mean())(params, torch.randn(8, 3))
+
+
+def test_value_and_grad_under_vmap_per_example_grads():
+    model = nn.Linear(3, 2)
+    apply_fn, params = zf.functional(model)
+    x = torch.randn(5, 3)
+    per_example = torch.func.vmap(lambda xi: zf.grad(lambda p, v: apply_fn(p, v).square().sum())(params, xi))(x)
+    for i in range(5):
+        expected = zf.grad(lambda p, v: apply_fn(p, v).square().sum())(params, x[i])
+        torch.testing.assert_close(per_example["weight"][i], expected["weight"])
 
 
 def test_repeated_blocks():

@@ -13,7 +13,7 @@ from zfunc.tree import tree_leaves, tree_map
 
 STEPS = 25
 SHAPES = {"w": (7, 3), "b": (5,), "k": (2, 3, 4)}
-TIGHT = dict(rtol=1e-6, atol=1e-7)
+TIGHT = {"rtol": 1e-6, "atol": 1e-7}
 
 
 def make_params(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -39,8 +39,9 @@ def warmup_cosine_reference(peak: float, warmup: int, total: int, floor: float):
 PEAK, WARMUP, TOTAL, FLOOR = 0.05, 5, 20, 0.005   # TOTAL < STEPS: the floor is reached too
 
 
-def run_torch(make_opt, lr_fn=None, groups=None) -> list[dict[str, torch.Tensor]]:
-    """Parameters after every step of a torch optimizer (``lr_fn(c)`` drives LambdaLR)."""
+def run_torch(make_opt, lr_fn=None, groups=None, clip=None) -> list[dict[str, torch.Tensor]]:
+    """Parameters after every step of a torch optimizer (``lr_fn(c)`` drives LambdaLR,
+    ``clip`` is a max norm for clip_grad_norm_ before each step)."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in make_params().items()}
     opt = make_opt(groups(params) if groups else list(params.values()))
     sched = None
@@ -51,6 +52,8 @@ def run_torch(make_opt, lr_fn=None, groups=None) -> list[dict[str, torch.Tensor]
     for grads in make_grads():
         for k, p in params.items():
             p.grad = grads[k].clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         opt.step()
         if sched is not None:
             sched.step()
@@ -72,11 +75,11 @@ def run_zfunc(tx) -> tuple[list[dict[str, torch.Tensor]], object]:
 def assert_same_history(got, expected, **tol):
     for step, (g, e) in enumerate(zip(got, expected, strict=True)):
         for name in SHAPES:
-            torch.testing.assert_close(g[name], e[name], **(tol or TIGHT),
-                                       msg=lambda m: f"step {step + 1}, param {name!r}: {m}")
+            where = f"step {step + 1}, param {name!r}"
+            torch.testing.assert_close(g[name], e[name], **(tol or TIGHT), msg=lambda m, w=where: f"{w}: {m}")
 
 
-# (zfunc optimizer, torch optimizer) for the same hyperparameters; lr=None means "use the schedule".
+# name -> (zfunc optimizer(lr, wd), torch optimizer factory(lr, wd)) for the same hyperparameters.
 ADAM_CASES = {
     "adam": (lambda lr, wd: optim.adam(lr, weight_decay=wd),
              lambda lr, wd: lambda ps: torch.optim.Adam(ps, lr=lr, weight_decay=wd, foreach=False)),
@@ -135,11 +138,11 @@ def test_sgd_matches_torch(case, wd, scheduled):
     kwargs = SGD_CASES[case]
     if scheduled:
         tx = optim.sgd(optim.warmup_cosine(PEAK, WARMUP, TOTAL, FLOOR), weight_decay=wd, **kwargs)
-        expected = run_torch(lambda ps: torch.optim.SGD(ps, lr=PEAK, weight_decay=wd, foreach=False, **kwargs),
+        expected = run_torch(lambda ps: torch.optim.SGD(ps, PEAK, weight_decay=wd, foreach=False, **kwargs),
                              lr_fn=warmup_cosine_reference(PEAK, WARMUP, TOTAL, FLOOR))
     else:
         tx = optim.sgd(0.05, weight_decay=wd, **kwargs)
-        expected = run_torch(lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=wd, foreach=False, **kwargs))
+        expected = run_torch(lambda ps: torch.optim.SGD(ps, 0.05, weight_decay=wd, foreach=False, **kwargs))
     got, _ = run_zfunc(tx)
     assert_same_history(got, expected)
 
@@ -190,6 +193,14 @@ def test_clip_by_global_norm_matches_torch(max_norm):
         torch.testing.assert_close(clipped[name], p.grad, **TIGHT)
 
 
+def test_clipped_adamw_chain_matches_torch():
+    """chain(clip, adamw) = clip_grad_norm_ then AdamW.step(), every step (the norm of grads is ~6)."""
+    tx = optim.chain(optim.clip_by_global_norm(2.0), optim.adamw(0.01, weight_decay=0.1))
+    expected = run_torch(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=False), clip=2.0)
+    got, _ = run_zfunc(tx)
+    assert_same_history(got, expected)
+
+
 def test_clip_by_global_norm_uses_psum(monkeypatch):
     """Under sharding psum adds the other ranks' squares: 4 equal shards double the norm."""
     grads = make_grads(1)[0]
@@ -207,14 +218,14 @@ def lamb_reference(lr, b1, b2, eps, wd, steps_grads, params):
     v = {k: torch.zeros_like(x) for k, x in p.items()}
     history = []
     for t, grads in enumerate(steps_grads, start=1):
-        for k in p:
+        for k, x in list(p.items()):
             g = grads[k].double()
             m[k] = b1 * m[k] + (1 - b1) * g
             v[k] = b2 * v[k] + (1 - b2) * g * g
-            r = (m[k] / (1 - b1 ** t)) / ((v[k] / (1 - b2 ** t)).sqrt() + eps) + wd * p[k]
-            pn, rn = p[k].norm(), r.norm()
+            r = (m[k] / (1 - b1 ** t)) / ((v[k] / (1 - b2 ** t)).sqrt() + eps) + wd * x
+            pn, rn = x.norm(), r.norm()
             ratio = pn / rn if pn > 0 and rn > 0 else 1.0
-            p[k] = p[k] - lr * ratio * r
+            p[k] = x - lr * ratio * r
         history.append({k: x.float() for k, x in p.items()})
     return history
 
@@ -272,7 +283,7 @@ def test_learning_rate_readable_and_counters_are_tensors(name):
         lr = optim.learning_rate(state)
         assert lr.dtype == torch.float32 and lr.shape == ()
         assert float(lr) == pytest.approx(ref(step), rel=1e-6)                      # the rate just used
-    counts = [s.count for s in tree_states(state) if hasattr(s, "count")]
+    counts = [s.count for s in tree_states(state) if "count" in s._fields]
     assert counts and all(c.dtype == torch.int64 and c.shape == () and int(c) == 8 for c in counts)
 
 
@@ -297,7 +308,7 @@ def test_update_is_pure(name):
     params = make_params()
     grads = make_grads(1)[0]
     state = tx.init(params)
-    updates, state = tx.update(grads, state, params)   # a state with non-zero moments
+    _, state = tx.update(grads, state, params)   # a state with non-zero moments
     before = [x.clone() for x in tree_leaves((params, grads, state))]
     tx.update(grads, state, params)
     after = tree_leaves((params, grads, state))
@@ -306,7 +317,7 @@ def test_update_is_pure(name):
 
 def test_hyperparams_describe_adam_and_adamw():
     schedule = optim.warmup_cosine(1e-3, 10, 100)
-    mask = lambda name: not name.endswith("bias")  # noqa: E731
+    mask = lambda name: not name.endswith("bias")
     hp = optim.adamw(schedule, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1, mask=mask).hyperparams
     assert (hp["name"], hp["mode"], hp["b1"], hp["b2"], hp["eps"], hp["weight_decay"]) == \
         ("adamw", "adamw", 0.8, 0.95, 1e-6, 0.1)
@@ -357,7 +368,7 @@ def test_unknown_keyword_and_bad_mask_are_type_errors():
 
 def compiled_adamw_steps(backend: str) -> dict[str, torch.Tensor]:
     """Three steps of a compiled adamw update with a warmup schedule; a recompile raises."""
-    import torch._dynamo  # noqa: PLC0415
+    import torch._dynamo
 
     tx = optim.adamw(optim.warmup_cosine(0.01, 2, 10), weight_decay=0.1)
 

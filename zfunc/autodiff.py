@@ -1,12 +1,20 @@
 """First-order gradients: `value_and_grad` and `grad`.
 
-Built on `torch.func.vjp` and called with ``create_graph=False``:
-`torch.func.grad` runs its backward with ``create_graph=True``, so the graph
-recorded during backward keeps saved tensors alive until it returns (about
-2.5x the peak memory of ``loss.backward()``, DESIGN.md). A vjp whose backward
-records nothing has exactly plain autograd's memory, and still composes with
-`torch.func` (vmap over it for per-example gradients) and `torch.compile`.
-Use `torch.func.grad` directly when you need higher-order derivatives.
+Two routes to the same numbers, picked per call:
+
+- eagerly (the usual case), fresh leaf views of the params and
+  `torch.autograd.grad`: exactly the memory of ``loss.backward()``;
+- inside a `torch.func` transform (vmap for per-example gradients, an outer
+  grad) or while `torch.compile` traces, `torch.func.vjp` whose backward is
+  called with ``create_graph=False``.
+
+Why not always torch.func: `torch.func.grad` runs its backward with
+``create_graph=True`` and keeps saved tensors alive until it returns (~2.5x
+``backward()``'s peak, DESIGN.md), and even a first-order `torch.func.vjp`
+measured +35% peak over ``backward()`` on an 8-layer MLP here
+(benchmarks/value_and_grad_memory.py), while autograd frees each saved
+tensor as soon as backward has used it. Use `torch.func.grad` directly for
+higher-order derivatives.
 """
 
 from __future__ import annotations
@@ -77,13 +85,34 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
         side["is_tensor"] = [isinstance(x, torch.Tensor) for x in leaves]
         return loss, [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    loss, vjp_fn, aux_tensors = torch.func.vjp(loss_of, params, has_aux=True)
-    (grads,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
+    if _under_functorch_or_compile():
+        loss, vjp_fn, aux_tensors = torch.func.vjp(loss_of, params, has_aux=True)
+        (grads,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
+    else:
+        loss, grads, aux_tensors = _autograd_value_and_grad(loss_of, params)
     if not has_aux:
         return loss.detach(), grads
     tensors, others = iter(aux_tensors), iter(side["others"])
     aux = tree_unflatten(side["spec"], [next(tensors).detach() if t else next(others) for t in side["is_tensor"]])
     return (loss.detach(), aux), grads
+
+
+def _autograd_value_and_grad(loss_of: Callable, params: Any):
+    """Eager path: fresh leaf views of params, one forward, `torch.autograd.grad`."""
+    leaves, spec = tree_flatten(params)
+    inputs = [leaf.detach().requires_grad_() for leaf in leaves]
+    with torch.enable_grad():
+        loss, aux_tensors = loss_of(tree_unflatten(spec, inputs))
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
+    return loss, tree_unflatten(spec, list(grads)), aux_tensors
+
+
+def _under_functorch_or_compile() -> bool:
+    """True inside a torch.func transform (vmap, grad, ...) or while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return True
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present since 2.0
+    return peek is not None and peek() is not None
 
 
 def check_scalar_loss(loss: Any) -> None:

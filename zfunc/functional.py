@@ -13,9 +13,9 @@ What is carried where (the decision this module makes for the whole library):
   time (like constants closed over): they get no gradient, no optimizer
   state, and follow the module if it is moved with ``.to()``. A forward that
   updates a buffer in place (BatchNorm running statistics in training mode)
-  runs outside `value_and_grad` (e.g. for evaluation) but is refused inside
-  it with an error saying what to do: torch.func forbids mutating captured
-  tensors, and a pure step should not hide state in the module anyway.
+  updates the module's buffer as in eager mode; inside a `torch.func`
+  transform, which forbids mutating captured tensors, it is refused with an
+  error that says what to do.
 
 Transforms change *how* the model runs through the ``apply`` primitive: they
 receive a `ModelCall` and may swap its params (cast, gather) or wrap chosen

@@ -15,6 +15,7 @@ primitive            what it means                                       called 
 ``value_and_grad``   loss and first-order gradients w.r.t. params        `value_and_grad`
 ``apply_gradients``  one optimizer update of a state                     `TrainState.apply_gradients`
 ``psum``             sum a per-shard partial quantity over shards        norms, overflow checks
+``update_params``    the optimizer arithmetic on (params, grads, state)  the plain apply_gradients
 ===================  ==================================================  ==================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition

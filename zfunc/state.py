@@ -66,9 +66,20 @@ class TrainState:
 def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor]) -> TrainState:
     """The untransformed update (pure: new tensors, inputs untouched)."""
     check_grads_match(state.params, grads)
-    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-    params = apply_updates(state.params, updates)
+    params, opt_state = dispatch("update_params", pure_update, state.tx, state.params, grads, state.opt_state)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+
+def pure_update(tx: GradientTransformation, params: Any, grads: Any, opt_state: Any):
+    """``updates, opt_state = tx.update(grads, opt_state, params)``; ``params + updates``.
+
+    This is the ``update_params`` primitive: the optimizer's arithmetic on
+    whatever tensors reach it (shards, host copies, masters). A transform may
+    replace it with a fused in-place kernel that computes the same update
+    (`offload` does, on the host).
+    """
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return apply_updates(params, updates), opt_state
 
 
 def check_grads_match(params: Any, grads: Any) -> None:

@@ -15,7 +15,7 @@ operation is float32, exactly like ``torch.optim.AdamW(fused=True)`` /
     bc1 = 1 - beta1**t ; bc2 = 1 - beta2**t
     step_size = lr / bc1 ; bc2_sqrt = sqrt(bc2)
 
-    g = grad / grad_scale                            # float32 division (skipped math when 1.0 is exact anyway)
+    g = grad / grad_scale                            # float32 division (skipped when grad_scale == 1)
     adam  (L2):        g = fma(p, wd, g)              # g + wd*p            (only if wd != 0)
     adamw (decoupled): p = p * f32(1 - lr*wd)                               (only if wd != 0)
     m = fma(1-beta1, g - m, m)                       # m.lerp_(g, 1-beta1)  (|1-beta1| < 0.5;
@@ -122,10 +122,12 @@ def _ol_store_lowp(a, i, x):
 # ----------------------------------------------------------------------------- the kernel
 
 @njit(inline="always")
-def _update(i, p, g, m, v, out, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss, tail):
+def _update(i, p, g, m, v, out, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss, tail):
     """One element; all scalars float32. ``tail`` selects torch's scalar-loop contraction of v."""
     pi = p[i]
-    gi = _load_f32(g, i) / gs
+    gi = _load_f32(g, i)
+    if use_gs:
+        gi = gi / gs
     if l2:
         gi = fma_f32(pi, wd, gi)
     pi = pi * decay
@@ -149,17 +151,18 @@ def _update(i, p, g, m, v, out, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, b
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True, error_model="numpy")
 def _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main,
-                 gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss):
+                 use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss):
     """Update ``[0, n_main)`` in ``nchunks`` parallel chunks, then ``[n_main, n)`` serially
     with torch's scalar-tail contraction."""
     for c in prange(nchunks):
         lo = c * chunk
         hi = min(lo + chunk, n_main)
-        for i in range(lo, hi):
-            _update(i, p, g, m, v, out, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss,
+        # unsigned indices: numba then skips its negative-index wraparound, so LLVM vectorizes
+        for i in range(np.uint64(lo), np.uint64(hi)):
+            _update(i, p, g, m, v, out, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss,
                     False)
-    for i in range(n_main, p.size):
-        _update(i, p, g, m, v, out, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss,
+    for i in range(np.uint64(n_main), np.uint64(p.size)):
+        _update(i, p, g, m, v, out, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss,
                 True)
 
 
@@ -289,7 +292,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1=0.9, beta2=0.999, eps=
     numba.set_num_threads(num_threads)
     try:
         _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main,
-                     F(gs), l2, F(weight_decay), decay, lerp_small, w, wm1, F(beta2), F(1.0 - beta2),
+                     gs != 1.0, F(gs), l2, F(weight_decay), decay, lerp_small, w, wm1, F(beta2), F(1.0 - beta2),
                      F(bc2_sqrt), F(eps), F(-step_size))
     finally:
         numba.set_num_threads(prev)

@@ -23,8 +23,14 @@ from numbers import Real
 
 from zfunc.optim.base import GradientTransformation, Hyperparams, chain, identity
 from zfunc.optim.schedules import ScalarOrSchedule
-from zfunc.optim.transforms import (Mask, add_decayed_weights, scale_by_adam, scale_by_learning_rate,
-                                    scale_by_trust_ratio, trace)
+from zfunc.optim.transforms import (
+    Mask,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_trust_ratio,
+    trace,
+)
 
 
 def _number(name: str, value) -> float:
@@ -95,7 +101,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, wei
         trace(momentum, nesterov=nesterov, dampening=dampening) if momentum else identity(),
         descend,
     )
-    return _named(tx, name="sgd", elementwise=True, learning_rate=lr, schedule=descend.hyperparams["schedule"],
+    return _named(tx, name="sgd", elementwise=True, learning_rate=lr,
+                  schedule=descend.hyperparams["schedule"],
                   momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, dampening=dampening)
 
 
@@ -158,6 +165,8 @@ def lamb(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 
     lr, b1, b2, eps, weight_decay = _check_adam(lr, b1, b2, eps, weight_decay)
     mask = _mask(mask)
     descend = scale_by_learning_rate(lr)
-    tx = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask), scale_by_trust_ratio(), descend)
-    return _named(tx, name="lamb", elementwise=False, learning_rate=lr, schedule=descend.hyperparams["schedule"],
+    tx = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay, mask), scale_by_trust_ratio(),
+               descend)
+    return _named(tx, name="lamb", elementwise=False, learning_rate=lr,
+                  schedule=descend.hyperparams["schedule"],
                   b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)

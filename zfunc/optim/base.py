@@ -28,8 +28,8 @@ plus its own arguments (see each constructor). A chain lists its parts under
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Optional
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,7 +74,7 @@ class GradientTransformation(NamedTuple):
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
-    hyperparams: Optional[Hyperparams] = None
+    hyperparams: Hyperparams | None = None
 
 
 class EmptyState(NamedTuple):
@@ -122,37 +122,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     return tree_map(lambda p, u: (p + u).to(p.dtype), params, updates)
 
 
-def learning_rate(opt_state: Any) -> torch.Tensor:
-    """The learning rate (float32 0-d tensor) held in an optimizer state.
-
-    It is the ``learning_rate`` field of the one `ScaleByLearningRateState`
-    inside ``opt_state``: the rate the most recent update used (before any
-    update, the rate the first update will use). Raises ValueError if the
-    state holds none or several.
-    """
-    from zfunc.optim.transforms import ScaleByLearningRateState  # noqa: PLC0415 (transforms imports base)
-
-    found = [s for s in _walk_states(opt_state) if isinstance(s, ScaleByLearningRateState)]
-    if len(found) != 1:
-        raise ValueError(
-            f"learning_rate() needs exactly one ScaleByLearningRateState in the optimizer state, found "
-            f"{len(found)}; pass the opt_state of an optimizer built with scale_by_learning_rate "
-            f"(sgd, adam, adamw, lamb)")
-    return found[0].learning_rate
-
-
-def _walk_states(state: Any):
-    """Every NamedTuple state nested in tuples, lists and dicts (depth first)."""
-    yield state
-    if isinstance(state, (tuple, list)):
-        for part in state:
-            yield from _walk_states(part)
-    elif isinstance(state, dict):
-        for part in state.values():
-            yield from _walk_states(part)
-
-
-def first_device(tree: PyTree) -> Optional[torch.device]:
+def first_device(tree: PyTree) -> torch.device | None:
     """The device of the first tensor leaf, or None (then counters go to the default device)."""
     for leaf in tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):

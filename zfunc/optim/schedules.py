@@ -19,13 +19,13 @@ floats.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from numbers import Real
-from typing import Callable, Union
 
 import torch
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
-ScalarOrSchedule = Union[float, Schedule]
+ScalarOrSchedule = float | Schedule
 
 _F64 = torch.float64
 

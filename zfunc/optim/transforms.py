@@ -12,17 +12,25 @@ torch.optim element-wise to fp32 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Optional, Union
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
 from zfunc.optim.base import EmptyState, GradientTransformation, Hyperparams, first_device
 from zfunc.optim.schedules import ScalarOrSchedule, as_schedule
-from zfunc.tree import (PyTree, global_norm, tree_flatten, tree_leaves, tree_map, tree_map_with_path,
-                        tree_unflatten, tree_zeros_like)
+from zfunc.tree import (
+    PyTree,
+    global_norm,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_map_with_path,
+    tree_unflatten,
+    tree_zeros_like,
+)
 
-Mask = Union[None, Callable[[str], bool], Mapping]
+Mask = Callable[[str], bool] | Mapping | None
 
 
 def _zero_count(params: PyTree) -> torch.Tensor:
@@ -55,8 +63,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         scale = (max_norm / (global_norm(updates) + 1e-6)).clamp(max=1.0)
         return tree_map(lambda u: u * scale.to(u.dtype), updates), state
 
-    return GradientTransformation(init, update,
-                                  Hyperparams(name="clip_by_global_norm", elementwise=True, max_norm=max_norm))
+    return GradientTransformation(init, update, Hyperparams(
+        name="clip_by_global_norm", elementwise=True, max_norm=max_norm))
 
 
 # --------------------------------------------------------------------------
@@ -87,14 +95,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         t = count.to(torch.float64)
         bias_correction1 = 1 - b1 ** t
         bias_correction2_sqrt = (1 - b2 ** t).sqrt()
-        mu = tree_map(lambda m, u: torch.lerp(m, u, 1 - b1), state.mu, updates)
-        nu = tree_map(lambda v, u: (v * b2).addcmul(u, u, value=1 - b2), state.nu, updates)
+        # Moments keep the parameters' dtype (as torch.optim); lerp needs u in that dtype too.
+        mu = tree_map(lambda m, u: torch.lerp(m, u.to(m.dtype), 1 - b1), state.mu, updates)
+        nu = tree_map(lambda v, u: (v * b2).addcmul(u, u, value=1 - b2).to(v.dtype), state.nu, updates)
+
         # The corrections are cast to the moments' dtype first, as torch casts its Python
         # floats (and so that a 0-d parameter does not promote to float64).
-        direction = tree_map(
-            lambda m, v: (m / bias_correction1.to(m.dtype)) / ((v.sqrt() / bias_correction2_sqrt.to(v.dtype)) + eps),
-            mu, nu)
-        return direction, ScaleByAdamState(count, mu, nu)
+        def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            denom = (v.sqrt() / bias_correction2_sqrt.to(v.dtype)) + eps
+            return (m / bias_correction1.to(m.dtype)) / denom
+
+        return tree_map(direction, mu, nu), ScaleByAdamState(count, mu, nu)
 
     return GradientTransformation(init, update,
                                   Hyperparams(name="scale_by_adam", elementwise=True, b1=b1, b2=b2, eps=eps))
@@ -127,7 +138,8 @@ def decay_mask(mask: Mask, params: PyTree) -> PyTree:
                                  f"give every parameter a bool, or pass a callable name -> bool")
             return bool(mask[name])
         return tree_map_with_path(lookup, params)
-    raise TypeError(f"mask must be None, a callable name -> bool or a dict name -> bool, got {type(mask).__name__}")
+    raise TypeError(f"mask must be None, a callable name -> bool or a dict name -> bool, "
+                    f"got {type(mask).__name__}")
 
 
 def add_decayed_weights(weight_decay: float, mask: Mask = None) -> GradientTransformation:
@@ -165,23 +177,60 @@ class ScaleByLearningRateState(NamedTuple):
     learning_rate: torch.Tensor  # float32 0-d: the rate of the latest update (before any: of the first)
 
 
+def learning_rate(opt_state: Any) -> torch.Tensor:
+    """The learning rate (float32 0-d tensor) held in an optimizer state.
+
+    It is the ``learning_rate`` field of the one `ScaleByLearningRateState`
+    inside ``opt_state``: the rate the most recent update used (before any
+    update, the rate the first update will use). Raises ValueError if the
+    state holds none or several.
+    """
+    found = [s for s in _walk_states(opt_state) if isinstance(s, ScaleByLearningRateState)]
+    if len(found) != 1:
+        raise ValueError(
+            f"learning_rate() needs exactly one ScaleByLearningRateState in the optimizer state, found "
+            f"{len(found)}; pass the opt_state of an optimizer built with scale_by_learning_rate "
+            f"(sgd, adam, adamw, lamb)")
+    return found[0].learning_rate
+
+
+def _walk_states(state: Any):
+    """Every NamedTuple state nested in tuples, lists and dicts (depth first)."""
+    yield state
+    if isinstance(state, (tuple, list)):
+        for part in state:
+            yield from _walk_states(part)
+    elif isinstance(state, dict):
+        for part in state.values():
+            yield from _walk_states(part)
+
+
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, decoupled_weight_decay: float = 0.0,
                            mask: Mask = None) -> GradientTransformation:
     """Descend: ``lr = schedule(count)``, then ``u ← −lr·u``.
 
-    With ``decoupled_weight_decay = λ`` it also applies AdamW's decay, in
-    torch.optim.AdamW's order so that ``p + u`` reproduces
-    ``p·(1 − lr·λ) − lr·u`` to the last bit in almost every element::
+    With ``decoupled_weight_decay = λ`` it also applies AdamW's decay to the
+    parameters that ``mask`` selects (by name, as in `add_decayed_weights`)::
 
-        u ← −lr·u + (p·(1 − lr·λ) − p)       (the bracket is exact in fp32)
+        u ← −lr·u − lr·λ·p
 
-    ``mask`` selects the decayed parameters by name, as in `add_decayed_weights`.
+    How it is computed, when ``params`` are given: as the exact difference
+    between the new parameter in torch.optim's order and the old one, ::
+
+        p' = p·(1 − lr·λ) + (−lr)·u        (one fused multiply-add, as torch's p.add_(u, alpha=−lr))
+        u  ← p' − p                         (exact whenever p' and p are within a factor 2)
+
+    so that `apply_updates` (``p + u``) lands on torch's ``p'`` bit for bit
+    in almost every element instead of rounding ``−lr·u`` first; without
+    ``params`` it returns ``−lr·u`` (and refuses a decay).
+
     ``learning_rate`` is a number or a schedule (`zfunc.optim.schedules`).
     The state records the rate used, readable with `zfunc.optim.learning_rate`.
     """
     schedule = as_schedule(learning_rate)
     if not 0 <= decoupled_weight_decay < float("inf"):
-        raise ValueError(f"decoupled_weight_decay must be a finite number >= 0, got {decoupled_weight_decay!r}")
+        raise ValueError(f"decoupled_weight_decay must be a finite number >= 0, "
+                         f"got {decoupled_weight_decay!r}")
 
     def init(params: PyTree) -> ScaleByLearningRateState:
         count = _zero_count(params)
@@ -190,15 +239,26 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, decoupled_weight_
     def update(updates: PyTree, state: ScaleByLearningRateState, params: PyTree = None):
         lr = schedule(state.count)
         neg_lr = -lr
-        if decoupled_weight_decay == 0:
-            descended = tree_map(lambda u: neg_lr * u, updates)
-        else:
-            _require_params(params, "scale_by_learning_rate(decoupled_weight_decay=...)")
+        if params is None:
+            if decoupled_weight_decay:
+                raise ValueError("scale_by_learning_rate(decoupled_weight_decay=...) needs params: "
+                                 "call tx.update(updates, state, params)")
+            return tree_map(lambda u: neg_lr * u, updates), ScaleByLearningRateState(state.count + 1, lr)
+        if decoupled_weight_decay:
             # 1 − lr·λ rounded once to fp32, like torch's Python-float factor.
             keep = (1 - lr.to(torch.float64) * decoupled_weight_decay).to(lr.dtype)
             selected = decay_mask(mask, params)
-            descended = tree_map(lambda u, p, on: neg_lr * u + (p * keep - p) if on else neg_lr * u,
-                                 updates, params, selected)
+        else:
+            keep, selected = None, tree_map(lambda p: False, params)
+
+        def descend(u: torch.Tensor, p: torch.Tensor, decay: bool) -> torch.Tensor:
+            start = p * keep if decay else p
+            # addcmul with a 0-d tensor factor is the same fused multiply-add as add(alpha=...)
+            # and, unlike alpha, takes a tensor lr (no recompiles).
+            # (the cast only matters for 0-d leaves, which the fp32 0-d lr would otherwise promote)
+            return (torch.addcmul(start, u, neg_lr) - p).to(torch.promote_types(u.dtype, p.dtype))
+
+        descended = tree_map(descend, updates, params, selected)
         return descended, ScaleByLearningRateState(state.count + 1, lr)
 
     return GradientTransformation(init, update, Hyperparams(
@@ -228,11 +288,11 @@ def trace(momentum: float, nesterov: bool = False, dampening: float = 0.0) -> Gr
 
     def update(updates: PyTree, state: TraceState, params: PyTree = None):
         def new_buffer(b: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-            running = (b * momentum).add(u, alpha=1 - dampening)
+            running = (b * momentum).add(u, alpha=1 - dampening).to(b.dtype)
             if dampening == 0:
                 # From b = 0 the running formula gives exactly u on the first update.
                 return running
-            return torch.where(state.count == 0, u, running)
+            return torch.where(state.count == 0, u.to(b.dtype), running)
 
         buffers = tree_map(new_buffer, state.trace, updates)
         if nesterov:
@@ -265,11 +325,15 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: PyTree = None):
-        from zfunc.interpret import psum  # noqa: PLC0415 (interpret sits above optim)
+        # Imported at call time, like zfunc.tree.global_norm: interpret sits beside optim in
+        # the primitives layer and may import it; the reverse must not run at import time.
+        from zfunc.interpret import psum
 
         _require_params(params, "scale_by_trust_ratio")
         u_leaves, treedef = tree_flatten(updates)
         p_leaves = tree_leaves(params)
+        if len(p_leaves) != len(u_leaves):
+            raise ValueError(f"scale_by_trust_ratio: {len(u_leaves)} update leaves, {len(p_leaves)} params")
         if not u_leaves:
             return updates, state
         squares = [x.float().square().sum() for x in p_leaves + u_leaves]

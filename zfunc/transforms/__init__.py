@@ -5,5 +5,7 @@ Stack them as ``shard(offload(compute(step)))``, where compute is any mix of
 """
 
 from zfunc.transforms.accumulate import accumulate
+from zfunc.transforms.offload import offload
+from zfunc.transforms.shard import shard
 
-__all__ = ["accumulate"]
+__all__ = ["accumulate", "offload", "shard"]

@@ -1,0 +1,386 @@
+"""The bytes on disk: safetensors files written and read in a streaming way, checksums, the manifest.
+
+Every rank file is a standard safetensors file (8-byte little-endian header
+length, a JSON header, then the raw little-endian tensor bytes in header
+order), so ``safetensors.safe_open`` and ``safetensors.torch.load_file``
+read it. It is written here rather than with ``safetensors.torch.save_file``
+because that refuses tensors sharing storage (shard's per-key views of one
+flat buffer) and builds the whole file in memory first; here each tensor's
+bytes go straight from its memory to the file, and the SHA-256 of the file
+is computed on the same bytes as they are written (in a second thread, so
+hashing overlaps the write). Reading goes straight into the destination
+tensor's memory (``readinto``), so nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+FORMAT = "zfunc-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CHUNK = 64 << 20          # bytes per write/read/hash piece of a large tensor
+MAX_HEADER = 256 << 20    # a header larger than this is corruption, not a model
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read: the message names the file and what is wrong."""
+
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+TORCH_DTYPES = {code: dtype for dtype, code in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor, as a memoryview of its own memory (copied only if not contiguous)."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+# --------------------------------------------------------------------------
+# Writing
+
+
+class HashingFile:
+    """A file opened for writing whose SHA-256 is computed, in a helper thread, from what is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zfunc-io-hash")
+        self._pending: concurrent.futures.Future | None = None
+        self._keep: Any = None
+
+    def write(self, data: memoryview | bytes) -> None:
+        for start in range(0, max(len(data), 1), CHUNK):
+            piece = data[start:start + CHUNK]
+            if self._pending is not None:
+                self._pending.result()  # one hash in flight: it may not lag the writes by more than a chunk
+            if len(piece) >= 1 << 20:   # hashlib releases the GIL on large buffers: overlap with the write
+                self._pending, self._keep = self._pool.submit(self.hash.update, piece), piece
+            else:
+                self._pending, self._keep = None, None
+                self.hash.update(piece)
+            self.file.write(piece)
+            self.size += len(piece)
+
+    def close(self) -> str:
+        """Flush, fsync and close; returns the hex SHA-256 of everything written."""
+        try:
+            if self._pending is not None:
+                self._pending.result()
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+            self._pool.shutdown()
+            self._keep = None
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        self.file.close()
+        self._pool.shutdown(wait=True)
+
+
+def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, list[int]]], tensors: Iterable[torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write a safetensors file; returns ``(bytes, sha256)``.
+
+    ``specs`` (name, dtype, shape) make the header; ``tensors`` (any
+    iterable, e.g. a generator that builds one tensor at a time) yields the
+    tensors in the same order, each with that dtype and element count. They
+    may live on any device and share storage: a CPU tensor is written from
+    its own memory, any other is copied to the host on its own.
+    """
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, dtype, shape in specs:
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: cannot store {name!r}: dtype {dtype} is not supported by safetensors")
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    out = HashingFile(path)
+    try:
+        out.write(struct.pack("<Q", len(head)) + head)
+        for (name, dtype, shape), t in zip(specs, tensors, strict=True):
+            if t.dtype != dtype or t.numel() != math.prod(shape):
+                raise CheckpointError(f"{path}: {name!r} changed while it was written ({t.dtype}, {t.numel()} "
+                                      f"elements; the header has {dtype}, shape {list(shape)})")
+            out.write(as_bytes(t if t.device.type == "cpu" else t.detach().cpu()))
+        return out.size, out.close()
+    except BaseException:
+        out.abort()
+        raise
+
+
+# --------------------------------------------------------------------------
+# Reading
+
+
+class Entry:
+    """One tensor of a safetensors file: dtype, shape and absolute byte range."""
+
+    __slots__ = ("name", "dtype", "shape", "start", "end")
+
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, end: int) -> None:
+        self.name, self.dtype, self.shape, self.start, self.end = name, dtype, shape, start, end
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class TensorFile:
+    """A safetensors file opened for lazy, zero-copy reads of element ranges.
+
+    The header is validated against the file size on open, so a truncated or
+    garbled file fails here (as `CheckpointError`) and never inside torch.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.file = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed in close())
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file is missing") from None
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
+        try:
+            self.size = os.fstat(self.file.fileno()).st_size
+            self.metadata, self.entries = self._read_header()
+        except BaseException:
+            self.file.close()
+            raise
+
+    def _fail(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {what}")
+
+    def _read_header(self) -> tuple[dict[str, str], dict[str, Entry]]:
+        raw = self.file.read(8)
+        if len(raw) < 8:
+            raise self._fail(f"truncated: {self.size} bytes, not even a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(MAX_HEADER, self.size - 8):
+            raise self._fail(f"corrupt or truncated: header length {n} does not fit in a file of {self.size} bytes")
+        try:
+            header = json.loads(self.file.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise self._fail(f"corrupt safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise self._fail("corrupt safetensors header (not a JSON object)")
+        metadata = header.pop("__metadata__", None) or {}
+        base, entries, end = 8 + n, {}, 8 + n
+        for name, info in header.items():
+            try:
+                dtype = TORCH_DTYPES[info["dtype"]]
+                shape = tuple(int(s) for s in info["shape"])
+                a, b = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise self._fail(f"corrupt safetensors header entry {name!r}: {info!r}") from None
+            entry = Entry(name, dtype, shape, base + a, base + b)
+            if b < a or entry.numel * dtype.itemsize != b - a:
+                raise self._fail(f"corrupt safetensors header: {name!r} has {b - a} bytes for shape {list(shape)} "
+                                 f"of {dtype}")
+            entries[name] = entry
+            end = max(end, base + b)
+        if end > self.size:
+            raise self._fail(f"truncated: the header describes {end} bytes, the file has {self.size}")
+        return metadata, entries
+
+    def entry(self, name: str) -> Entry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise self._fail(f"has no tensor {name!r}; the manifest says it should") from None
+
+    def read_into(self, name: str, begin: int, out: torch.Tensor) -> None:
+        """Elements ``[begin, begin + out.numel())`` of tensor ``name`` (flattened) into ``out``.
+
+        ``out`` may be any tensor; when it is a contiguous CPU tensor of the
+        stored dtype the bytes are read straight into its memory.
+        """
+        entry = self.entry(name)
+        count = out.numel()
+        if begin < 0 or begin + count > entry.numel:
+            raise self._fail(f"{name!r} holds {entry.numel} elements, asked for [{begin}, {begin + count})")
+        if count == 0:
+            return
+        direct = out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous()
+        buf = out if direct else torch.empty(count, dtype=entry.dtype)
+        self._readinto(entry.start + begin * entry.dtype.itemsize, as_bytes_writable(buf))
+        if not direct:
+            out.copy_(buf.view(out.shape))
+
+    def read(self, name: str) -> torch.Tensor:
+        """A new CPU tensor with the stored dtype and shape."""
+        entry = self.entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self.read_into(name, 0, out)
+        return out
+
+    def _readinto(self, position: int, view: memoryview) -> None:
+        self.file.seek(position)
+        done = 0
+        while done < len(view):
+            n = self.file.readinto(view[done:])
+            if not n:
+                raise self._fail(f"truncated: ended at byte {position + done} of {self.size}")
+            done += n
+
+    def sha256(self) -> str:
+        """SHA-256 of the whole file, read in chunks (hashing one chunk while reading the next)."""
+        h = hashlib.sha256()
+        bufs = [bytearray(CHUNK), bytearray(CHUNK)]
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zfunc-io-hash") as pool:
+            pending, i = None, 0
+            self.file.seek(0)
+            while True:
+                buf = memoryview(bufs[i % 2])
+                n = self.file.readinto(buf)
+                if pending is not None:
+                    pending.result()
+                if not n:
+                    break
+                pending = pool.submit(h.update, buf[:n])
+                i += 1
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "TensorFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def as_bytes_writable(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+# --------------------------------------------------------------------------
+# Small files written atomically, directories made durable
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str, token: str) -> None:
+    """``path`` holds ``text`` or its old content, never a mix: temp file, fsync, rename, fsync dir."""
+    tmp = path.with_name(f"{path.name}.tmp-{token}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def read_manifest(step_dir: Path) -> dict[str, Any]:
+    """The validated manifest of one checkpoint directory."""
+    path = Path(step_dir) / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; {step_dir} is not a complete zfunc checkpoint") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupt (not JSON: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a zfunc checkpoint manifest (format is "
+                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                              f"expected {FORMAT!r})")
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointError(f"{path}: corrupt (format_version is {version!r})")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: written in checkpoint format version {version} by zfunc {manifest.get('zfunc_version')}, "
+            f"newer than this zfunc reads (up to version {FORMAT_VERSION}); upgrade zfunc to read it")
+    missing = [k for k in ("step", "world_size", "stage", "params", "groups", "leaves", "files", "weights")
+               if k not in manifest]
+    if missing:
+        raise CheckpointError(f"{path}: corrupt (missing fields: {', '.join(missing)})")
+    if len(manifest["files"]) != manifest["world_size"]:
+        raise CheckpointError(f"{path}: corrupt (lists {len(manifest['files'])} rank files for world size "
+                              f"{manifest['world_size']})")
+    return manifest
+
+
+class progress_bar:  # noqa: N801 (used as a context manager)
+    """A tqdm bar over bytes when ``enabled``, else a no-op with the same methods."""
+
+    def __init__(self, enabled: bool, total: int, desc: str) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm  # noqa: PLC0415
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def counting(self, tensors: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]:
+        """``tensors`` passed through, each counted once it has been consumed."""
+        for t in tensors:
+            yield t
+            self.update(t.numel() * t.element_size())
+
+    def __enter__(self) -> "progress_bar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()

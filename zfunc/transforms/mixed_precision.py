@@ -1,0 +1,470 @@
+"""`mixed_precision`: compute in bf16/fp16, keep fp32 master parameters, scale the loss for fp16.
+
+``mixed_precision(step, policy)`` runs the step's forward and backward on a
+low-precision copy of the parameters and applies the optimizer to a
+full-precision master copy, as DeepSpeed's fp16/bf16 modes and JAX's ``jmp``
+do. What the step computes does not change; only the dtypes it computes in.
+
+Policy (jmp's four dtypes, each ``"fp32"``, ``"bf16"`` or ``"fp16"``):
+
+================  ===========================================================
+``param_dtype``   the master parameters: what the optimizer updates and what
+                  ``step.gather(state)`` returns (normally fp32)
+``compute_dtype`` ``state.params``: the copy the model runs on; floating inputs,
+                  frozen parameters and floating buffers are cast to it too
+``output_dtype``  floating outputs of ``apply_fn`` (e.g. fp32 logits, so the
+                  loss is computed in fp32)
+``reduce_dtype``  the dtype in which `shard` should reduce gradients over
+                  ranks (default: ``compute_dtype``, as DeepSpeed and FSDP do)
+================  ===========================================================
+
+``"bf16"`` = ``Policy("fp32", "bf16", "fp32", "bf16")``, ``"fp16"`` likewise,
+``"fp32"`` = all fp32 (then the transform changes nothing: bitwise the plain
+step). jmp's spelling ``"params=fp32,compute=bf16,output=bf16"`` also works.
+
+State: ``state.extras["mixed_precision"]`` is a `MixedPrecisionState`
+(``master`` params dict, ``loss_scale``, ``good_steps``, ``hysteresis_left``,
+``skipped_steps``; 0-d tensors), so saving a state saves the loss scaler.
+``state.params`` holds the compute copy. ``master`` is empty when
+``param_dtype == compute_dtype`` (then ``state.params`` *is* the master).
+
+How the primitives change:
+
+- ``value_and_grad``: with fp16 the differentiated loss is ``loss × scale``;
+  the returned loss is the unscaled one, bitwise. Gradients come back in the
+  compute dtype and still *scaled* (as DeepSpeed's ``p.grad``): the step
+  should hand them to ``state.apply_gradients`` unchanged.
+- ``apply``: parameters, floating inputs, frozen parameters and floating
+  buffers are cast to the compute dtype, floating outputs to the output
+  dtype. Running statistics (BatchNorm's, in train mode) and any buffer whose
+  version counter the forward bumped are written back into the module, in
+  the module's dtype; inside `value_and_grad` in-place buffer updates are
+  refused, as without mixed precision.
+- ``apply_gradients``: gradients are cast to the master dtype and unscaled;
+  the optimizer runs on the master (inner transforms and the optimizer see
+  the master as ``state.params``); the compute copy is re-derived from it.
+
+fp16 loss scaling (DeepSpeed's ``fp16`` config and its DynamicLossScaler
+semantics; the knobs are keyword arguments of `mixed_precision`):
+
+- the scale starts at ``2 ** initial_scale_power``; ``loss_scale > 0`` makes
+  it static instead (never changes, no minimum);
+- a step whose unscaled gradients hold any inf/NaN is *skipped*: params,
+  master, optimizer state and ``state.step`` stay as they were (``step``
+  counts applied updates, so a schedule indexed by it, or by the optimizer's
+  own count, does not advance on a skipped step, as DeepSpeed's lr scheduler
+  does not). The count of non-finite elements goes through `zfunc.psum`, so
+  under `shard` all ranks agree and skip together;
+- overflow: if ``hysteresis_left > 1`` it is decremented (scale kept);
+  otherwise the scale halves (not below ``min_loss_scale``) — and if the
+  scale already *was* ``min_loss_scale`` a `FloatingPointError` is raised;
+- no overflow: ``good_steps`` counts good steps since the last overflow
+  (before this one). When it is a positive multiple of
+  ``loss_scale_window`` the scale doubles and ``hysteresis_left`` is
+  refilled, i.e. the first doubling comes on the ``window + 1``-th
+  consecutive good step, then every ``window`` steps (DeepSpeed's
+  ``stable_interval`` rule); with ``consecutive_hysteresis=True`` every good
+  step refills ``hysteresis_left``.
+
+bf16 and fp32 policies have no loss scale (fixed 1): gradients are not
+checked and nothing is skipped, exactly like the plain step (NaNs propagate).
+
+Metrics gain ``loss_scale`` (the scale in the returned state, i.e. the one
+the next step uses) and ``skipped`` (bool 0-d tensor). Deciding to skip reads
+one scalar from the device per fp16 step (as DeepSpeed does).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from typing import Any, Callable, Literal, NamedTuple
+
+import torch
+from torch import nn
+
+from zfunc.autodiff import check_scalar_loss
+from zfunc.interpret import Transform, psum
+from zfunc.tree import tree_map_tensors
+
+DTypeName = Literal["fp32", "bf16", "fp16"]
+
+_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALIASES: dict[Any, str] = {
+    "fp32": "fp32", "float32": "fp32", "f32": "fp32", "full": "fp32", "float": "fp32", torch.float32: "fp32",
+    "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
+    "fp16": "fp16", "float16": "fp16", "f16": "fp16", "half": "fp16", torch.float16: "fp16",
+}
+
+
+def _dtype_name(value: Any, field: str) -> str:
+    key = value.lower() if isinstance(value, str) else value
+    try:
+        return _ALIASES[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"{field} must be one of 'fp32', 'bf16', 'fp16' (or the torch dtype), got {value!r}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which dtype each kind of tensor has under `mixed_precision` (see the module doc).
+
+    Fields accept ``"fp32"``/``"bf16"``/``"fp16"``, their long names or torch
+    dtypes and are stored as the short names. ``reduce_dtype=None`` means
+    ``compute_dtype``.
+    """
+
+    param_dtype: DTypeName = "fp32"
+    compute_dtype: DTypeName = "fp32"
+    output_dtype: DTypeName = "fp32"
+    reduce_dtype: DTypeName | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, _dtype_name(getattr(self, field), field))
+        reduce = self.compute_dtype if self.reduce_dtype is None else _dtype_name(self.reduce_dtype, "reduce_dtype")
+        object.__setattr__(self, "reduce_dtype", reduce)
+
+    @classmethod
+    def parse(cls, policy: "str | Policy") -> "Policy":
+        """``"bf16"``, ``"fp16"``, ``"fp32"``, a jmp string
+        (``"params=fp32,compute=bf16,output=fp32[,reduce=fp32]"``) or a `Policy`."""
+        if isinstance(policy, Policy):
+            return policy
+        if not isinstance(policy, str):
+            raise TypeError(f"policy must be a string ('bf16', 'fp16', 'fp32') or a Policy, got {policy!r}")
+        text = policy.strip().lower()
+        if "=" not in text:
+            low = _dtype_name(text, "policy")
+            return cls("fp32", low, "fp32", low)
+        fields = {"params": "param_dtype", "param": "param_dtype", "compute": "compute_dtype",
+                  "output": "output_dtype", "reduce": "reduce_dtype"}
+        values: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = (s.strip() for s in part.partition("="))
+            if not sep or key not in fields:
+                raise ValueError(f"cannot parse policy {policy!r}: expected 'params=..,compute=..,output=..' "
+                                 f"with keys {sorted(fields)}")
+            values[fields[key]] = value
+        return cls(**values)
+
+    # torch dtypes
+    @property
+    def param(self) -> torch.dtype:
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def compute(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def output(self) -> torch.dtype:
+        return _DTYPES[self.output_dtype]
+
+    @property
+    def reduce(self) -> torch.dtype:
+        return _DTYPES[self.reduce_dtype]
+
+    def short(self) -> str | Policy:
+        """The preset name if this policy is one, else itself (for ``repr``)."""
+        for name in ("fp32", "bf16", "fp16"):
+            if self == Policy.parse(name):
+                return name
+        return self
+
+
+class MixedPrecisionState(NamedTuple):
+    """``state.extras["mixed_precision"]``: the master copy and the loss scaler, as tensors."""
+
+    master: dict[str, torch.Tensor]  # fp32 master params (empty if params are the master)
+    loss_scale: torch.Tensor         # float32 0-d
+    good_steps: torch.Tensor         # int64 0-d: good steps since the last overflow, before this one
+    hysteresis_left: torch.Tensor    # int64 0-d: overflows tolerated before the scale drops
+    skipped_steps: torch.Tensor      # int64 0-d: total skipped steps
+
+
+class _StepInfo:
+    """What one call of the transformed step shares between its handlers (not state)."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+        self.skipped: torch.Tensor | None = None
+
+
+class mixed_precision(Transform):  # noqa: N801 (a transform reads like a function)
+    """Compute in a low-precision copy, update an fp32 master; dynamic loss scaling for fp16.
+
+    ``policy``: ``"bf16"``, ``"fp16"``, ``"fp32"``, a jmp string or a `Policy`.
+    Loss-scaling knobs (fp16 only; DeepSpeed's names and defaults):
+    ``loss_scale`` (0 = dynamic, > 0 = that static scale),
+    ``initial_scale_power`` (16: start at 2**16), ``loss_scale_window``
+    (1000), ``hysteresis`` (2), ``min_loss_scale`` (1),
+    ``consecutive_hysteresis`` (False). See the module doc for the rules.
+    """
+
+    name = "mixed_precision"
+    level = 0
+
+    def __init__(self, step: Callable, policy: "str | Policy" = "bf16", *, loss_scale: float = 0.0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
+                 min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False) -> None:
+        self.policy = Policy.parse(policy)
+        fp16 = self.policy.compute_dtype == "fp16"
+        if not (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+                and 0 <= loss_scale < float("inf")):
+            raise ValueError(f"loss_scale must be 0 (dynamic) or a positive finite number, got {loss_scale!r}")
+        if loss_scale and not fp16:
+            raise ValueError(f"loss_scale applies to fp16 compute only; policy {self.policy.short()!r} computes "
+                             f"in {self.policy.compute_dtype} and needs no loss scaling")
+        for knob, value, low in (("initial_scale_power", initial_scale_power, 0),
+                                 ("loss_scale_window", loss_scale_window, 1), ("hysteresis", hysteresis, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{knob} must be an int >= {low}, got {value!r}")
+        if not (isinstance(min_loss_scale, (int, float)) and 0 < min_loss_scale < float("inf")):
+            raise ValueError(f"min_loss_scale must be a positive finite number, got {min_loss_scale!r}")
+        if fp16 and not loss_scale and 2.0 ** initial_scale_power < min_loss_scale:
+            raise ValueError(f"2**initial_scale_power = {2.0 ** initial_scale_power} is below "
+                             f"min_loss_scale = {min_loss_scale}")
+        super().__init__(step)
+        self.loss_scale = float(loss_scale)
+        self.initial_scale_power = initial_scale_power
+        self.loss_scale_window = loss_scale_window
+        self.hysteresis = hysteresis
+        self.min_loss_scale = float(min_loss_scale)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        # "dynamic", "static" or "none"
+        self.scaling = ("static" if loss_scale else "dynamic") if fp16 else "none"
+        self._info: contextvars.ContextVar[_StepInfo | None] = contextvars.ContextVar(
+            f"mixed_precision_{id(self)}", default=None)
+
+    @property
+    def has_master(self) -> bool:
+        return self.policy.param_dtype != self.policy.compute_dtype
+
+    def settings(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"policy": self.policy.short()}
+        if self.scaling == "static":
+            out["loss_scale"] = self.loss_scale
+        elif self.scaling == "dynamic":
+            out.update(initial_scale_power=self.initial_scale_power, loss_scale_window=self.loss_scale_window,
+                       hysteresis=self.hysteresis, min_loss_scale=self.min_loss_scale)
+            if self.consecutive_hysteresis:
+                out["consecutive_hysteresis"] = True
+        return out
+
+    # -- layout ----------------------------------------------------------------
+    def init_state(self, state):
+        if self.name in state.extras:
+            raise ValueError("mixed_precision.init: this state already has a master copy; pass the plain state "
+                             "from TrainState.create")
+        pol = self.policy
+        params = state.params
+        opt_state = state.opt_state
+        if any(v.dtype != pol.param for v in params.values()):
+            # The optimizer state was made for params of another dtype: rebuild it for the master.
+            if int(state.step) != 0:
+                raise ValueError(f"mixed_precision.init: params are not {pol.param_dtype} and the state has "
+                                 "taken steps; its optimizer state cannot be converted. Start from TrainState.create")
+            master_like = {k: v.to(pol.param) for k, v in params.items()}
+            opt_state = state.tx.init(master_like)
+        if self.has_master:
+            master = {k: v.to(pol.param) for k, v in params.items()}
+            new_params = {k: v.to(pol.compute) for k, v in master.items()}
+        else:
+            master = {}
+            new_params = {k: v.to(pol.param) for k, v in params.items()}
+        device = state.step.device
+        scale = {"dynamic": 2.0 ** self.initial_scale_power, "static": self.loss_scale, "none": 1.0}[self.scaling]
+        mp = MixedPrecisionState(
+            master=master,
+            loss_scale=torch.tensor(scale, dtype=torch.float32, device=device),
+            good_steps=torch.zeros((), dtype=torch.int64, device=device),
+            hysteresis_left=torch.tensor(self.hysteresis, dtype=torch.int64, device=device),
+            skipped_steps=torch.zeros((), dtype=torch.int64, device=device),
+        )
+        return state.replace(params=new_params, opt_state=opt_state, extras={**state.extras, self.name: mp})
+
+    def _state_of(self, state) -> MixedPrecisionState:
+        mp = state.extras.get(self.name) if isinstance(getattr(state, "extras", None), dict) else None
+        if not isinstance(mp, MixedPrecisionState):
+            raise ValueError("this state is not in mixed_precision's layout: call step.init(state) on the plain "
+                             "state from TrainState.create first")
+        return mp
+
+    def gather_params(self, state, next) -> dict[str, torch.Tensor]:
+        mp = self._state_of(state)
+        return next(state.replace(params=dict(mp.master)) if mp.master else state)
+
+    # -- the step --------------------------------------------------------------
+    def run(self, state, batch):
+        mp = self._state_of(state)
+        info = _StepInfo(mp.loss_scale)
+        token = self._info.set(info)
+        try:
+            new_state, metrics = self.step(state, batch)
+        finally:
+            self._info.reset(token)
+        out = new_state.extras.get(self.name, mp) if isinstance(getattr(new_state, "extras", None), dict) else mp
+        skipped = info.skipped if info.skipped is not None else torch.zeros((), dtype=torch.bool)
+        return new_state, {**metrics, "loss_scale": out.loss_scale, "skipped": skipped}
+
+    def _active(self) -> _StepInfo:
+        info = self._info.get()
+        if info is None:
+            raise RuntimeError("mixed_precision's primitives ran outside its step")
+        return info
+
+    # -- primitives ------------------------------------------------------------
+    def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
+        if self.scaling == "none":
+            return next(fn, params, args, kwargs, has_aux)
+        scale = self._active().scale
+
+        def scaled_loss(p, *a, **kw):
+            out = fn(p, *a, **kw)
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError("with has_aux=True the function must return (loss, aux), "
+                                    f"got {type(out).__name__}")
+                loss, aux = out
+            else:
+                loss, aux = out, None
+            check_scalar_loss(loss)
+            # The product is taken in fp32 (a 0-d fp16 loss times 2**16 would overflow fp16 itself).
+            return loss * scale, (loss.detach(), aux)
+
+        (_, (loss, aux)), grads = next(scaled_loss, params, args, kwargs, True)
+        return ((loss, aux) if has_aux else loss), grads
+
+    def apply(self, next, call):
+        pol = self.policy
+        compute, output = pol.compute, pol.output
+        if compute == torch.float32 and output == torch.float32 and pol.param == torch.float32:
+            return next(call)  # fp32: nothing to cast (bitwise the plain step)
+
+        def cast_in(t):
+            return t.to(compute) if t.is_floating_point() and t.dtype != compute else t
+
+        params = call.params
+        if any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in params.values()):
+            params = {k: cast_in(v) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        constants, buffers = self._constants(call, compute)
+        call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
+                                   kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
+        out = next(call)
+        for original, copy, version, running_stat in buffers:
+            # Running statistics are updated in place without a version bump: write them back always.
+            if running_stat or copy._version != version:
+                try:
+                    with torch.no_grad():
+                        original.copy_(copy)
+                except RuntimeError as err:
+                    if "captured" not in str(err):
+                        raise
+                    raise RuntimeError(
+                        f"{type(call.model).__name__} updates a buffer in place during its forward (e.g. "
+                        "BatchNorm running statistics). Inside zf.value_and_grad the step is a pure function "
+                        "and cannot mutate module state: put such modules in eval mode, use "
+                        "track_running_stats=False, or a norm without running statistics.") from err
+        return tree_map_tensors(
+            lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
+
+    @staticmethod
+    def _constants(call, compute: torch.dtype):
+        """Compute-dtype copies of the frozen parameters and floating buffers (keyed by qualified name)."""
+        constants = dict(call.constants)
+        buffers = []
+        cast: dict[int, torch.Tensor] = {}
+        model = call.model
+        running = {id(m.running_mean) for m in model.modules()
+                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats}
+        running |= {id(m.running_var) for m in model.modules()
+                    if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats}
+        named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
+        named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
+        for name, tensor, is_buffer in named:
+            source = constants.get(name, tensor)
+            if source is None or not source.is_floating_point() or source.dtype == compute:
+                continue
+            if id(source) not in cast:
+                cast[id(source)] = copy = source.detach().to(compute)
+                if is_buffer and source is tensor:  # the module's own buffer: write in-place updates back
+                    buffers.append((tensor, copy, copy._version, id(tensor) in running))
+            constants[name] = cast[id(source)]
+        return constants, buffers
+
+    def apply_gradients(self, next, state, grads):
+        mp = self._state_of(state)
+        pol = self.policy
+        master_dtype = pol.param
+        if self.scaling == "none":
+            grads = {k: g.to(master_dtype) for k, g in grads.items()}
+            if not mp.master:
+                return next(state, grads)
+            new = next(state.replace(params=dict(mp.master)), grads)
+            return self._write_back(new, mp._replace(master=dict(new.params)))
+
+        info = self._active()
+        scale = mp.loss_scale
+        # Unscale into fresh master-dtype tensors (never in place into the caller's grads).
+        grads = {k: g.to(master_dtype, copy=True).div_(scale) for k, g in grads.items()}
+        bad = torch.zeros((), dtype=torch.int64, device=scale.device)
+        for g in grads.values():
+            bad = bad + torch.count_nonzero(~torch.isfinite(g)).to(bad.device)
+        bad = psum(bad)  # all ranks see the same count under shard, so they skip together
+        overflow = bad > 0
+        new_mp, at_min = self._update_scale(mp, overflow)
+        info.skipped = overflow
+        if bool(overflow):  # the one host sync of an fp16 step
+            if bool(at_min):
+                raise FloatingPointError(
+                    f"mixed_precision: gradients overflowed (inf/NaN) at the minimum loss scale "
+                    f"{self.min_loss_scale:g}; the loss scale cannot drop further. fp16's range is too small "
+                    "for this run: use policy 'bf16' (same memory, fp32's exponent range), or lower "
+                    "min_loss_scale; a NaN at every step may also come from the model or the data "
+                    "(check the loss).")
+            # Skipped: params, master, optimizer state and step stay; only the scaler moves.
+            return state.replace(extras={**state.extras, self.name: new_mp})
+        inner = state.replace(params=dict(mp.master)) if mp.master else state
+        new = next(inner, grads)
+        if not mp.master:
+            return new.replace(extras={**new.extras, self.name: new_mp})
+        return self._write_back(new, new_mp._replace(master=dict(new.params)))
+
+    def _write_back(self, new, mp: MixedPrecisionState):
+        """``new`` came back from the optimizer holding the master as params: re-derive the compute copy."""
+        compute = self.policy.compute
+        params = {k: v.to(compute) for k, v in mp.master.items()}
+        return new.replace(params=params, extras={**new.extras, self.name: mp})
+
+    def _update_scale(self, mp: MixedPrecisionState, overflow: torch.Tensor):
+        """The scaler after a step (branch-free), and whether an overflow hit the minimum scale."""
+        skipped_steps = mp.skipped_steps + overflow.to(torch.int64)
+        if self.scaling == "static":
+            return mp._replace(skipped_steps=skipped_steps), torch.zeros((), dtype=torch.bool)
+        scale, good, hyst = mp.loss_scale, mp.good_steps, mp.hysteresis_left
+        exhausted = hyst <= 1
+        drop = overflow & exhausted
+        at_min = drop & (scale <= self.min_loss_scale)
+        grow = ~overflow & (good > 0) & (good % self.loss_scale_window == 0)
+        new_scale = torch.where(drop, torch.clamp(scale / 2, min=self.min_loss_scale),
+                                torch.where(grow, scale * 2, scale))
+        full = torch.full_like(hyst, self.hysteresis)
+        on_overflow = torch.where(exhausted, hyst, hyst - 1)
+        on_good = full if self.consecutive_hysteresis else torch.where(grow, full, hyst)
+        new_hyst = torch.where(overflow, on_overflow, on_good)
+        new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
+        return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps), at_min
+
+
+def policy_of(step: Callable) -> Policy | None:
+    """The `Policy` of the `mixed_precision` transform in ``step``'s stack, if any.
+
+    `shard` uses it to reduce gradients in ``policy.reduce`` (torch dtype).
+    """
+    from zfunc.interpret import transforms_of  # noqa: PLC0415
+
+    for t in transforms_of(step):
+        if isinstance(t, mixed_precision):
+            return t.policy
+    return None

@@ -1,0 +1,163 @@
+"""`offload`: optimizer state and its update on the host (ZeRO-Offload).
+
+``offload(step)`` keeps the fp32 master parameters and the optimizer state in
+host memory (pinned when a GPU is present). At each update the gradients go
+device -> host, the optimizer runs on the host — Adam/AdamW in the fused numba
+kernel `zfunc.kernels.cpu_adam.adamw_`, any other optimizer through its
+ordinary pytree update on host tensors — and the updated parameters come back
+to the device in the compute dtype. The device keeps the compute copy of the
+parameters (and gradients until they are moved), so a GPU holds 2Ψ (+2Ψ
+gradients unless `shard` partitions them) instead of 16Ψ.
+
+Where the master lives:
+
+- under `mixed_precision`, its fp32 master (in ``extras["mixed_precision"]``)
+  is moved to the host; the device keeps the bf16/fp16 copy;
+- otherwise, if the parameters are on an accelerator, offload keeps its own
+  fp32 host master in ``extras["offload"]``; if they are already on the CPU
+  (a CPU-only machine: host and device coincide) the parameters themselves
+  are the master and are updated in place.
+
+Composes inside `shard` (``shard(offload(step), stage=...)``): each rank's
+shard of the optimizer state lives on its host. Must not wrap `shard`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, NamedTuple
+
+import torch
+
+from zfunc.interpret import Transform
+from zfunc.tree import tree_map, tree_map_tensors
+
+KERNEL_OPTIMIZERS = ("adam", "adamw")
+
+
+class OffloadState(NamedTuple):
+    """Offload's own state: the host fp32 master (only when params are not on the CPU)."""
+
+    master: dict[str, torch.Tensor]
+
+
+class offload(Transform):  # noqa: N801
+    """ZeRO-Offload: ``offload(step, optimizer="cpu")``.
+
+    ``optimizer="cpu"``: Adam/AdamW run in the fused numba kernel, other
+    optimizers through their pytree update on host tensors; ``"cpu-pytree"``
+    forces the pytree path (a reference for tests and for optimizers the
+    kernel does not cover).
+    """
+
+    name = "offload"
+    level = 1
+
+    def __init__(self, step: Callable, optimizer: Literal["cpu", "cpu-pytree"] = "cpu") -> None:
+        if optimizer not in ("cpu", "cpu-pytree"):
+            raise ValueError(f"offload: optimizer must be 'cpu' or 'cpu-pytree', got {optimizer!r}")
+        super().__init__(step)
+        self.optimizer = optimizer
+
+    def settings(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer} if self.optimizer != "cpu" else {}
+
+    # -- layout --------------------------------------------------------------
+    def init_state(self, state):
+        extras = dict(state.extras)
+        opt_state = tree_map_tensors(to_host, state.opt_state)
+        if "mixed_precision" in extras:
+            extras["mixed_precision"] = tree_map_tensors(to_host, extras["mixed_precision"])
+        elif not _on_cpu(state.params):
+            extras["offload"] = OffloadState({k: to_host(v.float()) for k, v in state.params.items()})
+        return state.replace(opt_state=opt_state, extras=extras)
+
+    def gather_params(self, state, next):
+        if "offload" in state.extras:
+            return next(state.replace(params=state.extras["offload"].master))
+        return next(state)
+
+    # -- the update ------------------------------------------------------------
+    def apply_gradients(self, next, state, grads):
+        host_grads = tree_map(to_host_async, grads)
+        if torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
+        own_master = state.extras.get("offload")
+        inner = state.replace(params=own_master.master) if own_master is not None else state
+        new = next(inner, host_grads)
+        device_params = state.params
+        for key, fresh in new.params.items():  # back to the device, in the compute dtype, in place
+            if fresh is not device_params[key]:
+                device_params[key].copy_(fresh, non_blocking=True)
+        extras = dict(new.extras)
+        if own_master is not None:
+            extras["offload"] = OffloadState(new.params)
+        return new.replace(params=device_params, extras=extras)
+
+    def update_params(self, next, tx, params, grads, opt_state):
+        if self.optimizer == "cpu-pytree" or not _kernel_applies(tx, params, grads):
+            return next(tx, params, grads, opt_state)
+        return kernel_update(tx, params, grads, opt_state)
+
+
+def kernel_update(tx, params: dict, grads: dict, opt_state):
+    """Adam/AdamW through the fused CPU kernel, in place on params and moments.
+
+    Computes what ``tx.update`` + ``apply_updates`` compute (the same math and
+    order as torch's fused AdamW), for the state layouts of `zfunc.optim.adam`
+    and `zfunc.optim.adamw`. The parameter and moment tensors are updated in
+    place and returned; the counters and the learning rate are new tensors.
+    """
+    from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
+    from zfunc.optim.transforms import decay_mask  # noqa: PLC0415
+
+    hp = tx.hyperparams
+    if hp["name"] == "adam":
+        empty, adam_state, lr_state = opt_state
+    else:
+        adam_state, lr_state = opt_state
+    lr = hp["schedule"](lr_state.count)
+    count = adam_state.count + 1
+    decays = decay_mask(hp.get("mask"), params) if hp["name"] == "adamw" else None
+    for key, p in params.items():
+        if p.numel() == 0:
+            continue
+        wd = hp["weight_decay"] if decays is None or decays[key] else 0.0
+        adamw_(p, grads[key], adam_state.mu[key], adam_state.nu[key], lr=float(lr), beta1=hp["b1"],
+               beta2=hp["b2"], eps=hp["eps"], weight_decay=wd, step=int(count), mode=hp["mode"])
+    new_adam = type(adam_state)(count, adam_state.mu, adam_state.nu)
+    new_lr = type(lr_state)(lr_state.count + 1, lr)
+    opt_state = (empty, new_adam, new_lr) if hp["name"] == "adam" else (new_adam, new_lr)
+    return params, opt_state
+
+
+def _kernel_applies(tx, params: dict, grads: dict) -> bool:
+    hp = getattr(tx, "hyperparams", None)
+    if hp is None or hp.get("name") not in KERNEL_OPTIMIZERS:
+        return False
+    for key, p in params.items():
+        g = grads[key]
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            return False
+        if g.device.type != "cpu" or g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+    return True
+
+
+def _on_cpu(params: dict) -> bool:
+    return all(p.device.type == "cpu" for p in params.values())
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (pinned when CUDA is available, for async copies)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    return host.copy_(t)
+
+
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A non-blocking device-to-host copy into pinned memory (synchronize before use)."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
