@@ -13,7 +13,7 @@ what makes the loss fall visibly in a minute on a laptop CPU.
 from __future__ import annotations
 
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

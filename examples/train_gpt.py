@@ -42,35 +42,41 @@ except ImportError:  # running from a checkout without installing zfunc
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=400)
-    g.add_argument("--batch-size", type=int, default=16, help="global batch, summed over ranks")
-    g.add_argument("--seq-len", type=int, default=64)
-    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    g.add_argument("--steps", type=int, default=600, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help="global batch in sequences, split over ranks (default: %(default)s)")
+    g.add_argument("--seq-len", type=int, default=64, help="characters per sequence (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     g.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 5%% of --steps)")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    g.add_argument("--eval-every", type=int, default=100, help="0 disables the periodic eval")
-    g.add_argument("--eval-batches", type=int, default=4)
-    g.add_argument("--sample-chars", type=int, default=160, help="characters generated at the end")
-    g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="model init, data order and sampling (default: 0)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (default: %(default)s)")
+    g.add_argument("--eval-every", type=int, default=100,
+                   help="val loss every this many steps, 0: only at the end (default: %(default)s)")
+    g.add_argument("--eval-batches", type=int, default=4, help="val batches per eval (default: %(default)s)")
+    g.add_argument("--sample-chars", type=int, default=160,
+                   help="characters generated at the end (default: %(default)s)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     t = p.add_argument_group("transforms")
-    t.add_argument("--micro-batches", type=int, default=1, help="zf.accumulate over this many micro-batches")
-    t.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none")
+    t.add_argument("--micro-batches", type=int, default=1,
+                   help="zf.accumulate: gradients of this many micro-batches, one update (default: 1)")
+    t.add_argument("--mixed-precision", choices=["none", "bf16", "fp16"], default="none",
+                   help="compute dtype; fp32 master weights, fp16 with a dynamic loss scale (default: none)")
     t.add_argument("--checkpoint", action="store_true", help="recompute block activations in backward")
     t.add_argument("--offload", action="store_true", help="optimizer state and update on the host")
-    t.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0, help="0: no shard")
+    t.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="shard(stage=...): 1 optimizer state, 2 + gradients, 3 + parameters; 0 no shard")
 
-    m = p.add_argument_group("model")
-    m.add_argument("--n-layer", type=int, default=4)
-    m.add_argument("--n-head", type=int, default=4)
-    m.add_argument("--n-embd", type=int, default=128)
-    m.add_argument("--dropout", type=float, default=0.0)
-    m.add_argument("--corpus-chars", type=int, default=300_000)
+    m = p.add_argument_group("model and data")
+    m.add_argument("--n-layer", type=int, default=4, help="transformer blocks (default: %(default)s)")
+    m.add_argument("--n-head", type=int, default=4, help="attention heads (default: %(default)s)")
+    m.add_argument("--n-embd", type=int, default=128, help="model width (default: %(default)s)")
+    m.add_argument("--dropout", type=float, default=0.0, help="dropout probability (default: %(default)s)")
+    m.add_argument("--corpus-chars", type=int, default=300_000,
+                   help="size of the generated corpus (default: %(default)s)")
     return p.parse_args(argv)
 
 
@@ -106,13 +112,13 @@ def _setup_distributed(args):
     import torch.distributed as dist
 
     launched = "WORLD_SIZE" in os.environ
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if args.device == "auto":
         device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-        if device.type == "cuda" and device.index is None and launched:
-            device = torch.device("cuda", local_rank)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", local_rank if launched else torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -149,17 +155,14 @@ def _global_mean(x: torch.Tensor, world: int) -> float:
 
 
 def _learning_rate(state, schedule, step_index: int):
-    """The learning rate the optimizer will use next, or None if it cannot be read."""
-    lr_fn = getattr(zf.optim, "learning_rate", None)
-    if lr_fn is not None:
-        try:
-            return float(lr_fn(state.opt_state))
-        except Exception:  # noqa: BLE001 (only for display)
-            pass
+    """The learning rate of the latest update, for display; None if it cannot be read."""
     try:
-        return float(schedule(torch.tensor(step_index)))
-    except Exception:  # noqa: BLE001
-        return None
+        return float(zf.optim.learning_rate(state.opt_state))
+    except (AttributeError, ValueError, TypeError):  # an optimizer without one, or an older zfunc
+        try:
+            return float(schedule(torch.tensor(step_index)))
+        except Exception:  # noqa: BLE001 (display only)
+            return None
 
 
 # --- main ---------------------------------------------------------------------
@@ -231,6 +234,12 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
 
     # step.init(state) for a transformed step (shards, master copies, host placement), as is for a plain one
     state = zf.init(step, zf.TrainState.create(params, opt))
+    # From here on the state owns the parameters and the module is only apply_fn's template
+    # (apply_fn swaps every weight in and re-ties lm_head itself): release the module's own
+    # copy, or every rank would keep a full replica next to its shards.
+    n_params = sum(p.numel() for p in params.values())  # the tied embedding once
+    del params
+    model.to("meta")
     # ----------------------------------------------------------------------
 
     def full_params(state):
@@ -252,7 +261,7 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
         finally:
             model.train(was_training)
 
-    log(f"zfunc example: GPT {model.num_params():,} parameters ({cfg.n_layer} blocks, d={cfg.n_embd}, "
+    log(f"zfunc example: GPT {n_params:,} parameters ({cfg.n_layer} blocks, d={cfg.n_embd}, "
         f"{cfg.n_head} heads, tied lm_head), vocab {tok.vocab_size}, corpus {len(train_ids):,} train / "
         f"{len(val_ids):,} val characters")
     log(f"config: steps={args.steps} batch={args.batch_size} (x{world} ranks of {local_batch}) "
@@ -269,7 +278,7 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
     train_data = batches(train_ids, args.batch_size, args.seq_len, seed=args.seed, rank=rank,
                          world_size=world)
     losses: list[float] = []
-    ok, bad_in_a_row = True, 0
+    ok, bad_in_a_row, skipped = True, 0, 0
     train_time, window_t, window_n = 0.0, 0.0, 0
     bar = tqdm(range(1, args.steps + 1), disable=rank != 0 or args.no_progress, dynamic_ncols=True,
                desc="train", file=sys.stdout)
@@ -282,6 +291,7 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
         train_time += dt
         window_t, window_n = window_t + dt, window_n + 1
         losses.append(loss)
+        skipped += int(metrics.get("skipped", 0))  # fp16 steps whose gradients overflowed
 
         if not math.isfinite(loss):
             bad_in_a_row += 1
@@ -298,9 +308,9 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
             lr = _learning_rate(state, schedule, i)
             if lr is not None:
                 postfix["lr"] = f"{lr:.2e}"
-            for k, v in metrics.items():  # whatever else the transforms report (loss scale, ...)
-                if k != "loss" and (isinstance(v, (int, float)) or isinstance(v, torch.Tensor) and v.numel() == 1):
-                    postfix[k] = f"{float(v):.4g}"
+            if "loss_scale" in metrics:  # reported by mixed_precision("fp16")
+                postfix["scale"] = f"{float(metrics['loss_scale']):g}"
+                postfix["skipped"] = skipped
             bar.set_postfix(postfix, refresh=False)
             window_t, window_n = 0.0, 0
 
@@ -320,7 +330,8 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
     if not math.isfinite(val_loss):
         ok = False
     log(f"loss {first:.2f} -> {last:.2f} in {train_time:.0f} s, {tps:,.0f} tokens/s "
-        f"(train loss: first step -> mean of last {len(tail)}; val loss {val_loss:.2f}; {n} steps)")
+        f"(train loss: first step -> mean of last {len(tail)}; val loss {val_loss:.2f}; {n} steps"
+        + (f", {skipped} skipped by the fp16 loss scaler" if skipped else "") + ")")
 
     sample = ""
     if rank == 0 and args.sample_chars > 0 and ok:
@@ -333,7 +344,7 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
         sample = tok.decode(out[0])
         log("sample:\n" + sample)
 
-    return {"ok": ok, "losses": losses, "first_loss": first, "last_loss": last, "val_loss": val_loss,
+    return {"ok": ok, "losses": losses, "skipped": skipped, "first_loss": first, "last_loss": last, "val_loss": val_loss,
             "time_s": train_time, "tokens_per_s": tps, "sample": sample, "step": step}
 
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.train_gpt import main  # noqa: E402
+from examples.train_gpt import main
 
 # ~2 s per run on 2 CPU cores: 2 blocks of width 64, batches of 8 x 32 characters.
 TINY = ["--steps", "30", "--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-embd", "64",
@@ -70,3 +70,11 @@ def test_example_transforms_follow_the_plain_step():
     if _transform_available("shard"):
         sharded = main(TINY + ["--steps", "5", "--sample-chars", "0", "--zero-stage", "2"])
         assert sharded["losses"] == pytest.approx(plain["losses"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_example_reports_nan():
+    """A diverging run stops and reports failure (the script then exits non-zero)."""
+    out = main(TINY + ["--steps", "10", "--lr", "1e38", "--warmup", "0", "--sample-chars", "0"])
+    assert not out["ok"]
+    assert len(out["losses"]) < 10

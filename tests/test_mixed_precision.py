@@ -420,3 +420,38 @@ def test_errors():
     state = step.init(plain)
     with pytest.raises(ValueError, match="already"):
         step.init(state)
+
+
+def test_bf16_does_not_check_or_skip():
+    """bf16 has fp32's exponent range: no loss scale, no check, NaNs propagate as in the plain step."""
+    _, out, _, m = run(lambda s: mixed_precision(s, "bf16"), zf.optim.sgd(0.1), [batch(0), batch(1, poison=True)])
+    assert [bool(x["skipped"]) for x in m] == [False, False] and int(out.step) == 2
+    assert not torch.isfinite(out.extras["mixed_precision"].master["embed.weight"]).all()
+
+
+def _one_rank_overflows():
+    from tests.shard_cases import rank_and_world, to_numpy
+    from zfunc.transforms.shard import shard
+
+    rank, world = rank_and_world()
+    torch.manual_seed(0)
+    apply_fn, params = zf.functional(TinyLM())
+    params = {k: v.clone() for k, v in params.items()}
+    step = shard(mixed_precision(make_step(apply_fn), "fp16", initial_scale_power=8, hysteresis=1), stage=2)
+    state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-2)))
+    skipped = []
+    for i in range(3):
+        b = {k: v.chunk(world)[rank] for k, v in batch(i, poison=(i == 1 and rank == 0)).items()}
+        state, m = step(state, b)
+        skipped.append(bool(m["skipped"]))
+    return skipped, int(state.step), float(m["loss_scale"]), to_numpy(step.gather(state))
+
+
+def test_under_shard_all_ranks_skip_together():
+    from zfunc.testing import run_distributed
+
+    results = run_distributed(_one_rank_overflows, 2)
+    for skipped, steps, scale, _ in results:
+        assert skipped == [False, True, False] and steps == 2 and scale == 128.0
+    for k, v in results[0][3].items():
+        assert (v == results[1][3][k]).all() and v.dtype == "float32", k

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,21 +50,22 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  {path}/*  ({', '.join(sorted(set(dtypes.values())))})")
     for path, leaf in m["leaves"].items():
         print(f"  {path}  {leaf['dtype']} {leaf['shape']}")
-    size = sum(f["bytes"] for f in m["files"])
-    print(f"  {len(m['files'])} rank files, {size / 2**20:.1f} MiB")
+    parts = [p for f in m["files"] for p in f["parts"]]
+    print(f"  {len(parts)} files from {len(m['files'])} ranks, {sum(p['bytes'] for p in parts) / 2**20:.1f} MiB")
     return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
     from zfunc.io.format import read_manifest  # noqa: PLC0415
-    from zfunc.io.restore import check_files, locate, open_verified  # noqa: PLC0415
+    from zfunc.io.reader import check_files, locate, open_ranks  # noqa: PLC0415
 
     step_dir = locate(args.ckpt_dir, args.step)
     m = read_manifest(step_dir)
     check_files(step_dir, m)
-    for rank in range(m["world_size"]):
-        open_verified(step_dir, m, rank, verify=True).close()
-    print(f"{step_dir}: {m['world_size']} rank files OK")
+    for f in open_ranks(step_dir, m, range(m["world_size"]), check=True).values():
+        f.close()
+    parts = sum(len(f["parts"]) for f in m["files"])
+    print(f"{step_dir}: {m['world_size']} ranks, {parts} files OK")
     return 0
 
 

@@ -126,6 +126,19 @@ class FunctionalModel:
         call = ModelCall(self.model, params, args, kwargs, self.aliases)
         return dispatch("apply", run_model_call, call)
 
+    def release_module_params(self) -> None:
+        """Free the template module's own trainable tensors (keep frozen ones and buffers).
+
+        Once a state holds the parameters (sharded, offloaded or cast by a
+        transform's ``init``), the module is only the structure ``apply_fn``
+        runs; its original fp32 tensors would be a full extra copy (4Ψ bytes)
+        on every rank. After this the module cannot run on its own any more.
+        """
+        for module in self.model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.requires_grad:
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
     def check_params(self, params: Any) -> None:
         """Raise a readable error if ``params`` does not match the model's."""
         if not isinstance(params, dict):

@@ -53,6 +53,14 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
     tensors = [x for x, t in zip(flat, is_tensor) if t]
     others = [x for x, t in zip(flat, is_tensor) if not t]
+    for other in others:
+        if hasattr(other, "update") and hasattr(other, "get_seq_length"):
+            # A Hugging Face key/value cache is mutated by the block: re-running
+            # the block in backward would append its keys again and attend to them.
+            raise ValueError(
+                f"a key/value cache ({type(other).__name__}) reaches a recomputed block; recomputing would "
+                "replay its update and change the result. Train with use_cache=False "
+                "(e.g. apply_fn(params, input_ids=x, use_cache=False)).")
 
     def run(param_values, tensor_values):
         it_t, it_o = iter(tensor_values), iter(others)
@@ -75,6 +83,9 @@ class _Plan:
 
 
 class _RecomputeFunction(torch.autograd.Function):
+    # vmap (per-example gradients) runs forward/backward under vmap itself (DESIGN.md).
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(plan: _Plan, *inputs: torch.Tensor):
         plan.rng = RNGState()

@@ -10,7 +10,7 @@ transform. ::
     state, client = restore("runs/a", like=state)                         # latest; or step=1200
     consolidate("runs/a", "model.safetensors")                            # full fp32 weights
 
-**save(dir, state, client_state=None, keep=None, *, group=None, progress=False)**
+**save(dir, state, client_state=None, keep=None, *, group=None, progress=False, part_bytes=512 MiB)**
 is called on every rank of the (data-parallel) group with the same
 ``state.step`` (else every rank raises `CheckpointError`). It writes
 ``dir/step_<step>/``: one file per rank and a manifest, and points
@@ -50,22 +50,28 @@ resumes its data from client_state.
 **consolidate(dir, out, dtype=torch.float32, *, step=None, aliases=None,
 verify=True, progress=True)** writes the full weights (what ``step.gather``
 returns) keyed by parameter name to one safetensors file, one parameter in
-memory at a time; see `zfunc.io.consolidate`. Also ``zfunc consolidate DIR
+memory at a time; see `zfunc.io.export`. Also ``zfunc consolidate DIR
 OUT`` and ``python -m zfunc.io consolidate DIR OUT``.
 
 Layout on disk (format version 1)::
 
     dir/latest                         "step_000123\\n"
     dir/step_000123/manifest.json      format, format_version, zfunc/torch versions, step, world_size,
-                                       stage, layout (units, keys, shapes), params (full shapes),
-                                       weights, groups (dtype per key), leaves (dtype, shape),
-                                       files [{rank, file, bytes, sha256, rng, client_state}]
-    dir/step_000123/rank_00000.safetensors
+                                       stage (0 = unsharded), layout (units, keys, shapes), params (full
+                                       shapes), weights (the group step.gather returns), groups (dtype per
+                                       key), leaves (dtype, shape), files: per rank {rank, parts: [{file,
+                                       bytes, sha256}], rng, client_state}
+    dir/step_000123/rank_00000.safetensors, rank_00000.p001.safetensors, ...
+        rng/torch_cpu, rng/cuda/<i>, rng/python, rng/numpy, client/<i>
+        step, opt_state/0/count, ...   replicated leaves (rank 0's files only)
         params/<key>, opt_state/0/mu/<key>, extras/mixed_precision/master/<key> ...
-                                       this rank's 1-D slice of each parameter (full tensors in
-                                       a plain, unsharded save)
-        step, opt_state/0/count, ...   replicated leaves (rank 0's file only)
-        rng/torch_cpu, rng/cuda/<i>, client/<i>
+                                       this rank's 1-D slice [a, b) of each parameter (whole tensors,
+                                       in their shapes, in an unsharded save: rank 0's files only)
+
+A rank's data is split into parts of about ``part_bytes`` (512 MiB; a larger
+tensor gets a part of its own) that are written, hashed and read by parallel
+threads. The SHA-256 of each file is computed while it is written and is what
+``sha256sum`` prints.
 
 Atomicity: ranks write into ``step_<n>.tmp-<token>/``; after all have
 written (and fsynced), rank 0 writes the manifest, renames the directory to
@@ -84,10 +90,10 @@ directory that is not a checkpoint — raises `CheckpointError` (a
 ``ValueError``) naming the file and what is wrong.
 """
 
-from zfunc.io.consolidate import consolidate
+from zfunc.io.export import consolidate
 from zfunc.io.format import FORMAT_VERSION, CheckpointError, read_manifest
-from zfunc.io.restore import list_checkpoints, locate, restore
-from zfunc.io.save import save
+from zfunc.io.reader import list_checkpoints, locate, restore
+from zfunc.io.writer import save
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "consolidate", "list_checkpoints", "locate", "read_manifest",
            "restore", "save"]

@@ -20,8 +20,10 @@ import json
 import math
 import os
 import struct
+import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -137,11 +139,22 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, list[int]]
     out = HashingFile(path)
     try:
         out.write(struct.pack("<Q", len(head)) + head)
+        chunks = 0  # alternates the staging buffers across tensors: one may still be hashed
         for (name, dtype, shape), t in zip(specs, tensors, strict=True):
             if t.dtype != dtype or t.numel() != math.prod(shape):
                 raise CheckpointError(f"{path}: {name!r} changed while it was written ({t.dtype}, {t.numel()} "
                                       f"elements; the header has {dtype}, shape {list(shape)})")
-            out.write(as_bytes(t if t.device.type == "cpu" else t.detach().cpu()))
+            if t.device.type == "cpu":
+                out.write(as_bytes(t))
+            else:  # through two pinned host buffers, a chunk at a time: host memory stays bounded
+                src = t.detach().reshape(-1).contiguous().view(torch.uint8)
+                bufs = staging_buffers(min(CHUNK, src.numel()))
+                for start in range(0, src.numel(), CHUNK):
+                    n = min(CHUNK, src.numel() - start)
+                    buf = bufs[chunks % 2][:n]
+                    chunks += 1
+                    buf.copy_(src[start:start + n])
+                    out.write(memoryview(buf.numpy()).cast("B"))
         return out.size, out.close()
     except BaseException:
         out.abort()
@@ -155,7 +168,7 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, list[int]]
 class Entry:
     """One tensor of a safetensors file: dtype, shape and absolute byte range."""
 
-    __slots__ = ("name", "dtype", "shape", "start", "end")
+    __slots__ = ("dtype", "end", "name", "shape", "start")
 
     def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], start: int, end: int) -> None:
         self.name, self.dtype, self.shape, self.start, self.end = name, dtype, shape, start, end
@@ -243,11 +256,21 @@ class TensorFile:
             raise self._fail(f"{name!r} holds {entry.numel} elements, asked for [{begin}, {begin + count})")
         if count == 0:
             return
-        direct = out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous()
-        buf = out if direct else torch.empty(count, dtype=entry.dtype)
-        self._readinto(entry.start + begin * entry.dtype.itemsize, as_bytes_writable(buf))
-        if not direct:
-            out.copy_(buf.view(out.shape))
+        position = entry.start + begin * entry.dtype.itemsize
+        if out.dtype == entry.dtype and out.is_contiguous():
+            if out.device.type == "cpu":  # straight into the destination's memory
+                self._readinto(position, as_bytes_writable(out))
+                return
+            dst = out.view(-1).view(torch.uint8)  # another device: through a pinned chunk
+            buf = staging_buffers(min(CHUNK, dst.numel()))[0]
+            for start in range(0, dst.numel(), CHUNK):
+                n = min(CHUNK, dst.numel() - start)
+                self._readinto(position + start, as_bytes_writable(buf[:n]))
+                dst[start:start + n].copy_(buf[:n])
+            return
+        buf = torch.empty(count, dtype=entry.dtype)  # another dtype (or layout): read, then cast
+        self._readinto(position, as_bytes_writable(buf))
+        out.copy_(buf.view(out.shape))
 
     def read(self, name: str) -> torch.Tensor:
         """A new CPU tensor with the stored dtype and shape."""
@@ -257,10 +280,9 @@ class TensorFile:
         return out
 
     def _readinto(self, position: int, view: memoryview) -> None:
-        self.file.seek(position)
-        done = 0
+        done = 0  # pread: no shared file position, so threads may read one file at once
         while done < len(view):
-            n = self.file.readinto(view[done:])
+            n = os.preadv(self.file.fileno(), [view[done:done + (1 << 30)]], position + done)
             if not n:
                 raise self._fail(f"truncated: ended at byte {position + done} of {self.size}")
             done += n
@@ -268,33 +290,106 @@ class TensorFile:
     def sha256(self) -> str:
         """SHA-256 of the whole file, read in chunks (hashing one chunk while reading the next)."""
         h = hashlib.sha256()
-        bufs = [bytearray(CHUNK), bytearray(CHUNK)]
+        size = max(1, min(CHUNK, self.size))
+        bufs = [bytearray(size), bytearray(size)]
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zfunc-io-hash") as pool:
-            pending, i = None, 0
-            self.file.seek(0)
+            pending, i, position = None, 0, 0
             while True:
                 buf = memoryview(bufs[i % 2])
-                n = self.file.readinto(buf)
+                n = os.preadv(self.file.fileno(), [buf], position)
                 if pending is not None:
                     pending.result()
                 if not n:
                     break
                 pending = pool.submit(h.update, buf[:n])
-                i += 1
+                i, position = i + 1, position + n
         return h.hexdigest()
 
     def close(self) -> None:
         self.file.close()
 
-    def __enter__(self) -> "TensorFile":
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+_staging = threading.local()
+
+
+def staging_buffers(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two host byte buffers of at least ``nbytes`` for this thread (pinned when CUDA is present), reused."""
+    have = getattr(_staging, "bufs", None)
+    if have is None or have[0].numel() < nbytes:
+        pin = torch.cuda.is_available()
+        have = _staging.bufs = tuple(torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2))
+    return have
 
 
 def as_bytes_writable(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+class RankFiles:
+    """All the part files one rank wrote, opened, with an index from tensor name to its part.
+
+    ``info`` is the rank's entry of the manifest's ``files``. Each part's size
+    is checked against the manifest before it is opened, so a missing or
+    truncated part names itself.
+    """
+
+    def __init__(self, step_dir: Path, info: dict[str, Any]) -> None:
+        self.rank = info["rank"]
+        self.parts: list[TensorFile] = []
+        self.digests: list[str] = []
+        self.index: dict[str, TensorFile] = {}
+        try:
+            for part in info["parts"]:
+                path = Path(step_dir) / part["file"]
+                check_size(path, part["bytes"], self.rank)
+                f = TensorFile(path)
+                self.parts.append(f)
+                self.digests.append(part["sha256"])
+                for name in f.entries:
+                    self.index[name] = f
+        except BaseException:
+            self.close()
+            raise
+
+    def file_of(self, name: str) -> TensorFile:
+        try:
+            return self.index[name]
+        except KeyError:
+            raise CheckpointError(f"{self.parts[0].path}: rank {self.rank}'s files have no tensor {name!r}; the "
+                                  "manifest says they should") from None
+
+    def entry(self, name: str) -> Entry:
+        return self.file_of(name).entry(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.file_of(name).read(name)
+
+    def close(self) -> None:
+        for f in self.parts:
+            f.close()
+
+
+def check_size(path: Path, expected: int, rank: int) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: rank {rank}'s file is missing; the checkpoint is incomplete") from None
+    if size != expected:
+        raise CheckpointError(f"{path}: {'truncated' if size < expected else 'corrupt'}: {size} bytes, the manifest "
+                              f"says {expected}")
+
+
+def verify_checksums(files: Iterable[RankFiles]) -> None:
+    """Compare every part's SHA-256 with the manifest's, hashing the parts in parallel threads."""
+    parts = [(f, digest) for rank in files for f, digest in zip(rank.parts, rank.digests)]
+    if not parts:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(len(parts), os.cpu_count() or 1),
+                                               thread_name_prefix="zfunc-io-verify") as pool:
+        for (f, digest), actual in zip(parts, pool.map(lambda fd: fd[0].sha256(), parts)):
+            if actual != digest:
+                raise CheckpointError(f"{f.path}: checksum mismatch (its SHA-256 differs from the manifest's): the "
+                                      "file is corrupted")
 
 
 # --------------------------------------------------------------------------
@@ -353,8 +448,11 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
                if k not in manifest]
     if missing:
         raise CheckpointError(f"{path}: corrupt (missing fields: {', '.join(missing)})")
-    if len(manifest["files"]) != manifest["world_size"]:
-        raise CheckpointError(f"{path}: corrupt (lists {len(manifest['files'])} rank files for world size "
+    files = manifest["files"]
+    if not isinstance(files, list) or len(files) != manifest["world_size"] or not all(
+            isinstance(f, dict) and f.get("rank") == r and isinstance(f.get("parts"), list) and f["parts"]
+            for r, f in enumerate(files)):
+        raise CheckpointError(f"{path}: corrupt (its list of rank files does not match world size "
                               f"{manifest['world_size']})")
     return manifest
 
@@ -378,9 +476,9 @@ class progress_bar:  # noqa: N801 (used as a context manager)
             yield t
             self.update(t.numel() * t.element_size())
 
-    def __enter__(self) -> "progress_bar":
+    def __enter__(self) -> progress_bar:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["adamw_", "adam_", "cpu_adam", "bits"]
+__all__ = ["adam_", "adamw_", "bits", "cpu_adam"]
 
 _LAZY = {"adamw_": "cpu_adam", "adam_": "cpu_adam"}
 

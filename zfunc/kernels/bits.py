@@ -10,6 +10,9 @@ Scalar helpers (``@njit(inline='always')``, callable from any njit code):
 * ``f32_as_u32(x)`` / ``u32_as_f32(u)``: reinterpret bits (LLVM ``bitcast``).
 * ``fma_f32(a, b, c)``: ``a*b + c`` with one rounding (LLVM ``llvm.fma.f32``;
   a hardware FMA where the CPU has one, a correctly rounded libm call otherwise).
+* ``nt_store_line(dst, di, src, si)`` / ``store_fence()``: copy one 64-byte line with a
+  non-temporal (streaming) store, and order such stores (``sfence`` on x86): lets a kernel
+  write a large output stream without first reading every destination line into cache.
 * ``bf16_bits_to_f32(h)`` / ``fp16_bits_to_f32(h)``: exact widening.
 * ``f32_to_bf16_bits(x)`` / ``f32_to_fp16_bits(x)``: round to nearest, ties to
   even, exactly like ``tensor.to(torch.bfloat16)`` / ``.to(torch.float16)``:
@@ -25,6 +28,8 @@ look at the low 16 bits.
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -32,10 +37,20 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = [
-    "f32_as_u32", "u32_as_f32", "fma_f32",
-    "bf16_bits_to_f32", "fp16_bits_to_f32", "f32_to_bf16_bits", "f32_to_fp16_bits",
-    "bf16_bits_to_f32_array", "fp16_bits_to_f32_array",
-    "f32_to_bf16_bits_array", "f32_to_fp16_bits_array",
+    "LINE_BYTES",
+    "bf16_bits_to_f32",
+    "bf16_bits_to_f32_array",
+    "f32_as_u32",
+    "f32_to_bf16_bits",
+    "f32_to_bf16_bits_array",
+    "f32_to_fp16_bits",
+    "f32_to_fp16_bits_array",
+    "fma_f32",
+    "fp16_bits_to_f32",
+    "fp16_bits_to_f32_array",
+    "nt_store_line",
+    "store_fence",
+    "u32_as_f32",
 ]
 
 
@@ -77,6 +92,53 @@ def fma_f32(typingctx, a, b, c):
         return builder.call(fn, args)
 
     return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+LINE_BYTES = 64  # bytes written by one nt_store_line; the destination must be aligned to it
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def nt_store_line(typingctx, dst, di, src, si):
+    """Copy the 64 bytes at ``src[si:]`` to ``dst[di:]`` with a non-temporal store.
+
+    ``dst``/``src``: 1-D contiguous arrays of one dtype; ``&dst[di]`` must be 64-byte aligned
+    (``src`` need not be). No bounds checks. Follow a run of these by ``store_fence()``.
+    """
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.dtype == src.dtype
+            and dst.ndim == 1 and src.ndim == 1 and isinstance(di, types.Integer)
+            and isinstance(si, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dty, _, sty, _ = sig.args
+        dary = context.make_array(dty)(context, builder, args[0])
+        sary = context.make_array(sty)(context, builder, args[2])
+        dptr = builder.gep(dary.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+        sptr = builder.gep(sary.data, [context.cast(builder, args[3], sig.args[3], types.int64)])
+        vty = ir.VectorType(ir.IntType(32), LINE_BYTES // 4)
+        val = builder.load(builder.bitcast(sptr, vty.as_pointer()), align=1)
+        st = builder.store(val, builder.bitcast(dptr, vty.as_pointer()), align=LINE_BYTES)
+        st.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.none(dst, di, src, si), codegen
+
+
+@intrinsic
+def store_fence(typingctx):
+    """Order earlier non-temporal stores before later stores (x86 ``sfence``)."""
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse.sfence")
+            builder.call(fn, [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 # ----------------------------------------------------------------------------- scalar conversions

@@ -5,7 +5,9 @@ Stack them as ``shard(offload(compute(step)))``, where compute is any mix of
 """
 
 from zfunc.transforms.accumulate import accumulate
+from zfunc.transforms.checkpoint import checkpoint
+from zfunc.transforms.mixed_precision import Policy, mixed_precision
 from zfunc.transforms.offload import offload
 from zfunc.transforms.shard import shard
 
-__all__ = ["accumulate", "offload", "shard"]
+__all__ = ["Policy", "accumulate", "checkpoint", "mixed_precision", "offload", "shard"]

@@ -190,6 +190,11 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
             except AttributeError as err:
                 raise ValueError(f"checkpoint(modules={self.modules!r}): {err}") from None
             chosen = sorted(set(chosen), key=chosen.index)
+            for n in chosen:
+                if isinstance(model.get_submodule(n), (nn.ModuleList, nn.ModuleDict)):
+                    raise ValueError(
+                        f"checkpoint: {n!r} is a {type(model.get_submodule(n)).__name__}, a container that is "
+                        f"never called; select the blocks in it instead (e.g. modules=['{n}.0', ...] or their class)")
             names = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
             if not names:
                 hint = ("it has no ModuleList/Sequential of repeated blocks; pass modules= (classes, a "

@@ -29,9 +29,9 @@ from typing import Any, Callable, Literal, NamedTuple
 import torch
 
 from zfunc.interpret import Transform
+from zfunc.optim.fused import FUSABLE, FusedAdam
 from zfunc.tree import tree_map, tree_map_tensors
 
-KERNEL_OPTIMIZERS = ("adam", "adamw")
 
 
 class OffloadState(NamedTuple):
@@ -103,36 +103,23 @@ def kernel_update(tx, params: dict, grads: dict, opt_state):
     """Adam/AdamW through the fused CPU kernel, in place on params and moments.
 
     Computes what ``tx.update`` + ``apply_updates`` compute (the same math and
-    order as torch's fused AdamW), for the state layouts of `zfunc.optim.adam`
-    and `zfunc.optim.adamw`. The parameter and moment tensors are updated in
-    place and returned; the counters and the learning rate are new tensors.
+    order as torch's fused AdamW). Parameters and moments are updated in
+    place and returned; counters and the learning rate are new tensors.
     """
     from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
-    from zfunc.optim.transforms import decay_mask  # noqa: PLC0415
 
-    hp = tx.hyperparams
-    if hp["name"] == "adam":
-        empty, adam_state, lr_state = opt_state
-    else:
-        adam_state, lr_state = opt_state
-    lr = hp["schedule"](lr_state.count)
-    count = adam_state.count + 1
-    decays = decay_mask(hp.get("mask"), params) if hp["name"] == "adamw" else None
+    fused = FusedAdam.of(tx, opt_state, params)
+    lr, step = float(fused.lr), int(fused.step)
     for key, p in params.items():
-        if p.numel() == 0:
-            continue
-        wd = hp["weight_decay"] if decays is None or decays[key] else 0.0
-        adamw_(p, grads[key], adam_state.mu[key], adam_state.nu[key], lr=float(lr), beta1=hp["b1"],
-               beta2=hp["b2"], eps=hp["eps"], weight_decay=wd, step=int(count), mode=hp["mode"])
-    new_adam = type(adam_state)(count, adam_state.mu, adam_state.nu)
-    new_lr = type(lr_state)(lr_state.count + 1, lr)
-    opt_state = (empty, new_adam, new_lr) if hp["name"] == "adam" else (new_adam, new_lr)
-    return params, opt_state
+        if p.numel():
+            adamw_(p, grads[key], fused.mu[key], fused.nu[key], lr=lr, beta1=fused.b1, beta2=fused.b2,
+                   eps=fused.eps, weight_decay=fused.weight_decay[key], step=step, mode=fused.mode)
+    return params, fused.new_state()
 
 
 def _kernel_applies(tx, params: dict, grads: dict) -> bool:
     hp = getattr(tx, "hyperparams", None)
-    if hp is None or hp.get("name") not in KERNEL_OPTIMIZERS:
+    if hp is None or hp.get("name") not in FUSABLE:
         return False
     for key, p in params.items():
         g = grads[key]

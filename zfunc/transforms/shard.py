@@ -48,6 +48,7 @@ import torch
 
 from zfunc import dist
 from zfunc.interpret import Transform
+from zfunc.optim.fused import FusedAdam
 from zfunc.transforms.shard_layout import (
     ROOT, ShardLayout, UnitLayout, make_layout, map_param_shaped, zip_param_shaped,
 )
@@ -252,6 +253,21 @@ class shard(Transform):  # noqa: N801
                 model_call.require_recompute(unit.name)
         model_call.params = new_params
         return next(model_call)
+
+    def update_params(self, next, tx, params, grads, opt_state):
+        """On CUDA, Adam/AdamW over all of this rank's shards in a few fused launches."""
+        fused = FusedAdam.of(tx, opt_state, params)
+        tensors = [*params.values(), *grads.values()]
+        if fused is None or not all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
+            return next(tx, params, grads, opt_state)
+        from zfunc.kernels.gpu_adam import adam_  # noqa: PLC0415
+
+        for wd in sorted(set(fused.weight_decay.values())):
+            keys = [k for k, p in params.items() if fused.weight_decay[k] == wd and p.numel()]
+            adam_([params[k] for k in keys], [grads[k] for k in keys], [fused.mu[k] for k in keys],
+                  [fused.nu[k] for k in keys], lr=fused.lr, step=fused.step, beta1=fused.b1, beta2=fused.b2,
+                  eps=fused.eps, weight_decay=wd, mode=fused.mode)
+        return params, fused.new_state()
 
     def apply_gradients(self, next, state, grads):
         call = self._active()

@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from zfunc.io.entries import Spans, escape
 from zfunc.io.format import CheckpointError, dtype_name, progress_bar, read_manifest, write_safetensors
-from zfunc.io.restore import check_files, locate, open_verified
+from zfunc.io.reader import check_files, locate, open_ranks
 from zfunc.transforms.shard_layout import ShardLayout
 
 
@@ -44,7 +44,8 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     names = [(k, k) for k in shapes]
     for alias, key in sorted(_aliases(aliases).items()):
         if key not in shapes:
-            raise CheckpointError(f"consolidate: alias {alias!r} -> {key!r}, but the checkpoint has no parameter {key!r}")
+            raise CheckpointError(f"consolidate: alias {alias!r} -> {key!r}, but the checkpoint has no "
+                                  f"parameter {key!r}")
         names.append((alias, key))
     order = {k: i for i, k in enumerate(shapes)}
     names.sort(key=lambda nk: order[nk[1]])  # an alias right after its parameter: built once
@@ -54,8 +55,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     tmp = out.with_name(f"{out.name}.tmp-{secrets.token_hex(4)}")
     files = {}
     try:
-        for s in holders:
-            files[s] = open_verified(step_dir, manifest, s, verify)
+        files = open_ranks(step_dir, manifest, holders, verify)
         specs = [(name, dtype, list(shapes[key])) for name, key in names]
         total = sum(math.prod(shapes[key]) * dtype.itemsize for _, key in names)
         meta = {"format": "pt", "zfunc_step": str(manifest["step"]), "zfunc_weights": group,
@@ -74,13 +74,14 @@ def _weights(files, spans: Spans, group: str, names, shapes, dtype) -> Iterator[
     built: tuple[str, torch.Tensor] | None = None
     for _, key in names:
         if built is None or built[0] != key:
-            built = None  # drop the previous parameter before building the next
+            built = full = flat = None  # drop the previous parameter before building the next
             full = torch.empty(shapes[key], dtype=dtype)
             flat = full.view(-1)
             for s, f in files.items():
                 a, b = spans.span(key, s)
                 if b > a:
-                    f.read_into(f"{group}/{escape(key)}", 0, flat[a:b])
+                    name = f"{group}/{escape(key)}"
+                    f.file_of(name).read_into(name, 0, flat[a:b])
             built = (key, full)
         yield built[1]
 

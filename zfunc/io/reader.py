@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import warnings
 from pathlib import Path
@@ -10,10 +11,27 @@ from typing import Any
 import torch
 
 from zfunc import dist
-from zfunc.io.entries import Spans, apply_rng, decode_client_state, escape, global_shapes, layout_of, walk, \
-    weights_path
-from zfunc.io.format import LATEST, MANIFEST, CheckpointError, TensorFile, progress_bar, read_manifest
-from zfunc.io.save import STEP_DIR, all_gather, raise_if_failed, step_name
+from zfunc.io.entries import (
+    Spans,
+    apply_rng,
+    decode_client_state,
+    escape,
+    global_shapes,
+    layout_of,
+    walk,
+    weights_path,
+)
+from zfunc.io.format import (
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    RankFiles,
+    check_size,
+    progress_bar,
+    read_manifest,
+    verify_checksums,
+)
+from zfunc.io.writer import STEP_DIR, all_gather, raise_if_failed, step_name
 from zfunc.state import TrainState
 from zfunc.transforms.shard_layout import ShardLayout
 from zfunc.tree import describe_mismatch
@@ -113,7 +131,7 @@ class _Reader:
         self.dir, self.like, self.rank = step_dir, like, group.rank
         self.manifest = read_manifest(step_dir)
         self.same_world = self.manifest["world_size"] == group.size
-        self.files: dict[int, TensorFile] = {}
+        self.files: dict[int, RankFiles] = {}
         try:
             self._plan(layout, strict)
             self._open(verify)
@@ -137,10 +155,11 @@ class _Reader:
         dst = Spans(layout, shapes)
         groups, leaves = walk(like)
         source = {p: p for p in groups if p in m["groups"]}
-        if not strict:  # a master where the other side has none: read the weights that step.gather would give
-            for p in groups:
-                if p not in source and p in ("params", weights_path(groups)) and m["weights"] in m["groups"]:
-                    source[p] = m["weights"] if p == "params" else "params"
+        mine = weights_path(groups)
+        if not strict and mine != m["weights"] and m["weights"] in m["groups"]:
+            # A master on one side only: the template's weights come from the checkpoint's weights
+            # (what step.gather returned), e.g. plain fp32 params from a mixed_precision fp32 master.
+            source[mine] = m["weights"]
         missing = [p for p in groups if p not in source] + [p for p in leaves if p not in m["leaves"]]
         unexpected = [p for p in m["groups"] if p not in source.values()] + [p for p in m["leaves"]
                                                                            if p not in leaves]
@@ -158,6 +177,7 @@ class _Reader:
                           f"{unexpected or 'nothing'}", stacklevel=4)
         # ops: (source rank, tensor name, first source element, target flat view, first target element, count)
         self.ops: list[tuple[int, str, int, torch.Tensor, int, int]] = []
+        self.sizes: dict[tuple[int, str], int] = {}  # (source rank, tensor name) -> elements it must hold
         self.finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (template tensor, staging) if not contiguous
         world = m["world_size"]
         for path, group in groups.items():
@@ -170,10 +190,13 @@ class _Reader:
                     sa, sb = self.src.span(key, s)
                     lo, hi = max(a, sa), min(b, sb)
                     if hi > lo:
-                        self.ops.append((s, f"{source[path]}/{escape(key)}", lo - sa, out, lo - a, hi - lo))
+                        name = f"{source[path]}/{escape(key)}"
+                        self.ops.append((s, name, lo - sa, out, lo - a, hi - lo))
+                        self.sizes[s, name] = sb - sa
         for path, t in leaves.items():
             if path in m["leaves"]:
                 self.ops.append((0, path, 0, self._flat(t), 0, t.numel()))
+                self.sizes[0, path] = t.numel()
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -186,24 +209,34 @@ class _Reader:
     def _open(self, verify: bool) -> None:
         m = self.manifest
         check_files(self.dir, m)  # all present, of the right size: cheap, and catches a lost rank on every rank
-        for s in sorted({op[0] for op in self.ops} | {0, self._own_rank()}):
-            self.files[s] = open_verified(self.dir, m, s, verify)
-        for s, name, begin, out, _, count in self.ops:
+        self.files = open_ranks(self.dir, m, {op[0] for op in self.ops} | {0, self._own_rank()}, verify)
+        for (s, name), size in self.sizes.items():
             entry = self.files[s].entry(name)
-            if begin + count > entry.numel:
-                raise CheckpointError(f"{self.files[s].path}: {name!r} holds {entry.numel} elements, the manifest's "
-                                      f"layout needs {begin + count}")
+            if entry.numel != size:
+                raise CheckpointError(f"{self.files[s].file_of(name).path}: {name!r} holds {entry.numel} elements, "
+                                      f"the manifest's layout says {size}")
 
     def _own_rank(self) -> int:
         return self.rank if self.same_world and self.rank < self.manifest["world_size"] else 0
 
     def load(self, rng: bool, world: int, progress: bool) -> Any:
-        ops = sorted(self.ops, key=lambda op: (op[0], self.files[op[0]].entry(op[1]).start + op[2]))
-        total = sum(op[3].element_size() * op[5] for op in ops)
-        with torch.no_grad(), progress_bar(progress, total, f"restore rank {self.rank}") as bar:
-            for s, name, begin, out, at, count in ops:
-                self.files[s].read_into(name, begin, out[at:at + count])
-                bar.update(out.element_size() * count)
+        by_file: dict[Any, list] = {}  # each part file read by one thread, in file order
+        for s, name, begin, out, at, count in self.ops:
+            f = self.files[s].file_of(name)
+            by_file.setdefault(f, []).append((f.entries[name].start + begin, name, begin, out, at, count))
+        total = sum(op[3].element_size() * op[5] for op in self.ops)
+
+        def read(f) -> None:
+            with torch.no_grad():
+                for _, name, begin, out, at, count in sorted(by_file[f], key=lambda op: op[0]):
+                    f.read_into(name, begin, out[at:at + count])
+                    bar.update(out.element_size() * count)
+
+        with progress_bar(progress, total, f"restore rank {self.rank}") as bar, \
+                concurrent.futures.ThreadPoolExecutor(max(1, min(len(by_file), os.cpu_count() or 1)),
+                                                      thread_name_prefix="zfunc-io-read") as pool:
+            list(pool.map(read, by_file))
+        with torch.no_grad():
             for t, staging in self.finish:
                 t.copy_(staging.view(t.shape))
         own = self.files[self._own_rank()]
@@ -224,27 +257,22 @@ class _Reader:
 
 
 def check_files(step_dir: Path, manifest: dict) -> None:
-    """Every rank file the manifest lists exists and has the size it records."""
-    for s, info in enumerate(manifest["files"]):
-        path = step_dir / info["file"]
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: rank {s}'s file is missing; the checkpoint is incomplete") from None
-        if size != info["bytes"]:
-            raise CheckpointError(f"{path}: {'truncated' if size < info['bytes'] else 'corrupt'}: {size} bytes, "
-                                  f"the manifest says {info['bytes']}")
+    """Every file the manifest lists exists and has the size it records (cheap: no reads)."""
+    for info in manifest["files"]:
+        for part in info["parts"]:
+            check_size(step_dir / part["file"], part["bytes"], info["rank"])
 
 
-def open_verified(step_dir: Path, manifest: dict, rank: int, verify: bool) -> TensorFile:
-    """Rank ``rank``'s file, opened, its header checked and (``verify``) its SHA-256 compared with the manifest's."""
-    info = manifest["files"][rank]
-    f = TensorFile(step_dir / info["file"])
+def open_ranks(step_dir: Path, manifest: dict, ranks, check: bool) -> dict[int, RankFiles]:
+    """The files of ``ranks``, opened (headers validated) and, with ``check``, verified against their SHA-256."""
+    files: dict[int, RankFiles] = {}
     try:
-        if verify and f.sha256() != info["sha256"]:
-            raise CheckpointError(f"{f.path}: checksum mismatch (its SHA-256 differs from the manifest's): the file "
-                                  "is corrupted")
+        for s in sorted(ranks):
+            files[s] = RankFiles(step_dir, manifest["files"][s])
+        if check:
+            verify_checksums(files.values())
     except BaseException:
-        f.close()
+        for f in files.values():
+            f.close()
         raise
-    return f
+    return files

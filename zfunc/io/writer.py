@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -16,13 +17,32 @@ import torch.distributed as tdist
 
 import zfunc
 from zfunc import dist
-from zfunc.io.entries import Spans, capture_rng, encode_client_state, escape, global_shapes, layout_of, walk, \
-    weights_path
-from zfunc.io.format import FORMAT, FORMAT_VERSION, LATEST, MANIFEST, CheckpointError, dtype_name, fsync_dir, \
-    progress_bar, write_safetensors, write_text_atomic
+from zfunc.io.entries import (
+    Spans,
+    capture_rng,
+    encode_client_state,
+    escape,
+    global_shapes,
+    layout_of,
+    walk,
+    weights_path,
+)
+from zfunc.io.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    CheckpointError,
+    dtype_name,
+    fsync_dir,
+    progress_bar,
+    write_safetensors,
+    write_text_atomic,
+)
 from zfunc.state import TrainState
 
 STEP_DIR = re.compile(r"step_(\d+)")
+PART_BYTES = 512 << 20  # bytes per rank file before a new part starts
 STALE = re.compile(r"step_\d+\.(tmp|del|old)-[0-9a-f]+|latest\.tmp-[0-9a-f]+")
 
 
@@ -30,8 +50,8 @@ def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.safetensors"
+def rank_file(rank: int, part: int = 0) -> str:
+    return f"rank_{rank:05d}.safetensors" if part == 0 else f"rank_{rank:05d}.p{part:03d}.safetensors"
 
 
 def all_gather(obj: Any, group: dist.Group) -> list[Any]:
@@ -56,14 +76,17 @@ def raise_if_failed(what: str, errors: list[Any], rank: int) -> None:
 
 
 def save(directory: str | os.PathLike, state: TrainState, client_state: dict | None = None,
-         keep: int | None = None, *, group: Any = None, progress: bool = False) -> Path:
+         keep: int | None = None, *, group: Any = None, progress: bool = False,
+         part_bytes: int = PART_BYTES) -> Path:
     """Save ``state`` as ``directory/step_<state.step>/``; call it on every rank. Returns that path.
 
     See `zfunc.io` for the format and the guarantees. ``client_state`` is
     this rank's JSON-able dict (tensors allowed), returned by `restore`;
     ``keep=k`` deletes all but the newest ``k`` checkpoints (by step; the one
     just written always stays). ``group``: the process group the state is
-    sharded over (default: the world).
+    sharded over (default: the world). A rank's data is split into files of
+    about ``part_bytes`` (a larger tensor gets a file of its own), written,
+    hashed and later read in parallel threads.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a zf.TrainState, got {type(state).__name__}")
@@ -86,18 +109,18 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     raise_if_failed("save", [v[2] for v in views], g.rank)
     steps = [v[0] for v in views]
     if len(set(steps)) != 1:
-        raise CheckpointError(f"save: ranks disagree on state.step ({', '.join(f'rank {r}: {s}' for r, s in enumerate(steps))}); "
-                              "every rank must save the same step")
+        listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        raise CheckpointError(f"save: ranks disagree on state.step ({listed}); every rank must save the same step")
     token, name = views[0][1], step_name(step)
     tmp = directory / f"{name}.tmp-{token}"
 
     info, error = None, None
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        info = _write_rank(tmp, state, layout, g.rank, client_tensors, progress)
+        info = _write_rank(tmp, state, layout, g.rank, client_tensors, progress, part_bytes)
         info["client_state"] = client_json
-    except Exception as e:  # reported to every rank below, so none waits forever
-        error = f"save: rank {g.rank} could not write {tmp / rank_file(g.rank)}: {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
+        error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
     results = all_gather((info, error), g)
     errors = [r[1] for r in results]
     outcome = None
@@ -108,7 +131,7 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
             else:
                 manifest = _manifest(state, layout, step, g.size, [r[0] for r in results])
                 _commit(directory, tmp, name, manifest, keep, token)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (every rank raises it below)
             outcome = f"save: could not commit {directory / name}: {type(e).__name__}: {e}"
     raise_if_failed("save", errors, g.rank)
     outcome = all_gather(outcome, g)[0]
@@ -128,28 +151,46 @@ def _step_of(state: TrainState) -> int:
     return step
 
 
-def _write_rank(tmp: Path, state: TrainState, layout, rank: int, client_tensors, progress: bool) -> dict:
+def _write_rank(tmp: Path, state: TrainState, layout, rank: int, client_tensors, progress: bool,
+                part_bytes: int) -> dict:
     groups, leaves = walk(state)
     spans = Spans(layout, global_shapes(state, layout))
-    tensors: list[tuple[str, torch.Tensor]] = []
+    rng, rng_tensors = capture_rng()
+    tensors: list[tuple[str, torch.Tensor]] = rng_tensors + client_tensors
+    if rank == 0:
+        tensors += list(leaves.items())
     if layout is not None or rank == 0:  # a plain state is the same on every rank: rank 0 writes it
         for path, group in groups.items():
             for key, t in group.items():
                 if layout is None:
                     tensors.append((f"{path}/{escape(key)}", t))
                     continue
-                a, b = spans.local(key, rank, t, f"save {path}")
-                flat = t.detach().reshape(-1)
+                a, b = spans.span(key, rank)
+                spans.local(key, rank, t, f"save {path}")  # checks t is the whole parameter or this slice
+                flat = t.detach().reshape(-1)  # stage 1/2 params are whole on every rank: save our slice
                 tensors.append((f"{path}/{escape(key)}", flat[a:b] if flat.numel() != b - a else flat))
-    if rank == 0:
-        tensors += list(leaves.items())
-    rng, rng_tensors = capture_rng()
-    tensors += rng_tensors + client_tensors
-    specs = [(name, t.dtype, list(t.shape)) for name, t in tensors]
-    with progress_bar(progress, sum(t.numel() * t.element_size() for _, t in tensors), f"save rank {rank}") as bar:
-        size, digest = write_safetensors(tmp / rank_file(rank), specs, bar.counting(t for _, t in tensors),
-                                         {"format": FORMAT, "rank": str(rank)})
-    return {"rank": rank, "file": rank_file(rank), "bytes": size, "sha256": digest, "rng": rng}
+    parts: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if parts[-1] and size + nbytes > part_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, t))
+        size += nbytes
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def write(index: int) -> dict:
+        items = parts[index]
+        specs = [(name, t.dtype, list(t.shape)) for name, t in items]
+        size, digest = write_safetensors(tmp / rank_file(rank, index), specs, bar.counting(t for _, t in items),
+                                         {"format": FORMAT, "rank": str(rank), "part": str(index)})
+        return {"file": rank_file(rank, index), "bytes": size, "sha256": digest}
+
+    with progress_bar(progress, total, f"save rank {rank}") as bar, concurrent.futures.ThreadPoolExecutor(
+            min(len(parts), os.cpu_count() or 1), thread_name_prefix="zfunc-io-write") as pool:
+        written = list(pool.map(write, range(len(parts))))
+    return {"rank": rank, "parts": written, "rng": rng}
 
 
 def _manifest(state: TrainState, layout, step: int, world_size: int, infos: list[dict]) -> dict:

@@ -1,0 +1,311 @@
+"""One run, every contender: zfunc ZeRO stages vs DDP, FSDP2 and DeepSpeed on a GPT-2-shaped LM.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    torchrun --nproc-per-node 2 benchmarks/gpt_zero.py --model medium --json out.json
+
+Model: transformers' GPT2LMHeadModel from a config (random init, dropout 0),
+random tokens, sequence 1024, bf16 compute, AdamW (lr 1e-4, wd 0.1). Each
+contender starts from the same weights and sees the same batches, so the loss
+after the timed steps must agree. Reports median step time and spread,
+tokens/s (all ranks), peak allocated/reserved memory per GPU, and for zfunc
+per-phase times (forward, backward, optimizer+gather) from CUDA events
+recorded by a small observing transform. ``--nproc-per-node 1`` adds the
+single-GPU floor (bf16 params, fp32 master, torch fused AdamW).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
+    "tiny": (256, 4, 4, 4),
+    "medium": (1024, 24, 16, 8),
+    "1.3b": (2048, 24, 16, 4),
+}
+ALL = ["zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s2-offload", "zfunc-s3-offload", "ddp", "fsdp2",
+       "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
+
+
+def log(*a):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*a, flush=True)
+
+
+def make_model(args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_layer, n_head, _ = SHAPES[args.model]
+    cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=args.seq, vocab_size=50257,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def batch(args, i, device):
+    g = torch.Generator().manual_seed(1000 * i + dist.get_rank())
+    return torch.randint(0, 50257, (args.micro_batch, args.seq), generator=g).to(device)
+
+
+def lm_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def run_zfunc(args, stage, use_offload, device):
+    import zfunc as zf
+    from zfunc.interpret import Transform
+    from zfunc.transforms import mixed_precision, offload, shard
+
+    class phases(Transform):  # noqa: N801 - observes the primitives with CUDA events
+        name, level = "phases", 9
+
+        def __init__(self, step):
+            super().__init__(step)
+            self.events = []
+
+        def _mark(self):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append(e)
+
+        def run(self, state, batch_):
+            self.events = []
+            self._mark()
+            out = self.step(state, batch_)
+            self._mark()
+            return out
+
+        def apply(self, next, call):
+            out = next(call)
+            self._mark()  # end of the model's forward
+            return out
+
+        def apply_gradients(self, next, state, grads):
+            self._mark()  # end of backward (and reductions)
+            return next(state, grads)
+
+    model = make_model(args).to(device)
+    apply_fn, params = zf.functional(model)
+
+    def loss_fn(p, tokens):
+        return lm_loss(apply_fn(p, input_ids=tokens, use_cache=False).logits, tokens)
+
+    def train_step(state, tokens):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, tokens)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = mixed_precision(train_step, "bf16")
+    if use_offload:
+        step = offload(step)
+    step = phases(shard(step, stage=stage))
+    state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
+    del params
+    apply_fn.release_module_params()
+    phase_times = []
+
+    def one(i):
+        nonlocal state
+        state, metrics = step(state, batch(args, i, device))
+        return metrics["loss"]
+
+    def after_step():
+        ev = step.events
+        if len(ev) == 4:
+            torch.cuda.synchronize()
+            phase_times.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])))
+
+    result = time_steps(args, one, after_step)
+    if phase_times:
+        t = phase_times[args.warmup:]
+        result["phases_ms"] = {name: statistics.median(x[j] for x in t)
+                               for j, name in enumerate(("forward", "backward", "optimizer+gather"))}
+    return result
+
+
+def run_ddp(args, device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(make_model(args).to(device), device_ids=[device.index])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def one(i):
+        tokens = batch(args, i, device)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return time_steps(args, one)
+
+
+def run_fsdp2(args, device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = make_model(args).to(device)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def one(i):
+        tokens = batch(args, i, device)
+        loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return time_steps(args, one)
+
+
+def run_floor(args, device):
+    """One GPU, no communication: bf16 params, fp32 master, torch fused AdamW."""
+    model = make_model(args).to(device)
+    master = [p.detach().clone() for p in model.parameters()]
+    model.to(torch.bfloat16)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=True)
+
+    def one(i):
+        tokens = batch(args, i, device)
+        loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        loss.backward()
+        for m, p in zip(master, params):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            torch._foreach_copy_(params, master)
+        return loss.detach()
+
+    return time_steps(args, one)
+
+
+def run_deepspeed(args, stage, use_offload, device):
+    import deepspeed
+
+    model = make_model(args)
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
+    if use_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1,
+                                                         **({} if use_offload else {"torch_adam": True})}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def one(i):
+        tokens = batch(args, i, device)
+        loss = lm_loss(engine(input_ids=tokens, use_cache=False).logits, tokens)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return time_steps(args, one)
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_steps(args, one, after_step=lambda: None):
+    times, loss = [], None
+    for i in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = one(i)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        after_step()
+        if i == args.warmup - 1:
+            torch.cuda.reset_peak_memory_stats()
+    timed = times[args.warmup:]
+    loss = loss.float()
+    dist.all_reduce(loss)
+    world = dist.get_world_size()
+    median = statistics.median(timed)
+    return {"median_ms": 1e3 * median, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
+            "tokens_per_s": world * args.micro_batch * args.seq / median,
+            "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "loss": float(loss) / world}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=list(SHAPES), default="medium")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--contenders", default="all", help="comma list from: " + ",".join(ALL + ["floor"]))
+    p.add_argument("--json")
+    args = p.parse_args()
+    args.micro_batch = args.micro_batch or SHAPES[args.model][3]
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl", device_id=device)
+    world = dist.get_world_size()
+    names = ALL if args.contenders == "all" else args.contenders.split(",")
+    if world == 1 and args.contenders == "all":
+        names = ["floor", "zfunc-s3", "zfunc-s3-offload"]
+    import transformers
+
+    log(f"# gpt_zero {args.model} mb={args.micro_batch} seq={args.seq} world={world} "
+        f"{torch.cuda.get_device_name()} torch {torch.__version__} transformers {transformers.__version__} "
+        f"{time.strftime('%Y-%m-%d %H:%M')}")
+    results = {}
+    for name in names:
+        try:
+            if name == "floor":
+                r = run_floor(args, device)
+            elif name == "ddp":
+                r = run_ddp(args, device)
+            elif name == "fsdp2":
+                r = run_fsdp2(args, device)
+            elif name.startswith("zfunc-s"):
+                r = run_zfunc(args, int(name[7]), name.endswith("offload"), device)
+            elif name.startswith("ds-z"):
+                r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
+            else:
+                raise ValueError(f"unknown contender {name}")
+            results[name] = r
+            ph = r.get("phases_ms")
+            log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
+                f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
+                f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
+                + (f"  fwd {ph['forward']:.1f} bwd {ph['backward']:.1f} opt {ph['optimizer+gather']:.1f}" if ph else ""))
+        except Exception as err:  # keep going: one broken contender must not lose the table
+            results[name] = {"error": f"{type(err).__name__}: {err}"}
+            log(f"{name:18s} FAILED {type(err).__name__}: {str(err)[:300]}")
+            if os.environ.get("GPT_ZERO_TRACEBACK"):
+                traceback.print_exc()
+        gc.collect()
+        torch.cuda.empty_cache()
+        dist.barrier()
+    if args.json and dist.get_rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "world": world, "device": torch.cuda.get_device_name(),
+                       "torch": torch.__version__, "results": results}, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

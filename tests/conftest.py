@@ -1,0 +1,25 @@
+"""Shared pytest setup for zfunc. Kept minimal: no autouse fixtures."""
+
+import os
+
+import pytest
+
+# numba's default 'omp' threading layer shares torch's libgomp and is not
+# fork-safe: after the pytest process ran a parallel numba kernel, every
+# worker forked by zfunc.testing.run_distributed is killed at birth. The
+# 'workqueue' layer is fork-safe. Must be set before numba starts its threads;
+# an explicit NUMBA_THREADING_LAYER in the environment wins.
+os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+
+
+def pytest_configure(config):
+    if not any(m.split(":")[0].strip() == "slow" for m in config.getini("markers")):
+        config.addinivalue_line("markers", "slow: a slow test (deselect with -m 'not slow')")
+
+
+@pytest.fixture
+def dist():
+    """``zfunc.testing.run_distributed``: ``dist(fn, world_size, *args, timeout=..., **kw)``."""
+    from zfunc.testing import run_distributed
+
+    return run_distributed
