@@ -1,7 +1,8 @@
 """Peak memory and step time of a training step with and without the `checkpoint` transform.
 
 Models: a deep residual MLP (``--depth`` blocks ``x + W2 gelu(W1 x)`` of width
-``--width``, batch ``--batch``) and, if ``examples/gpt.py`` is importable, the
+``--width``; one row per batch size in ``--batch``: at 512 its activations
+are about its parameter count, at 4096 they dominate) and, if ``examples/gpt.py`` is importable, the
 example GPT. Policies: none (the plain step), ``recompute``, ``save_ops``,
 ``offload_inputs``. Each (model, policy) runs in a fresh process.
 
@@ -101,7 +102,8 @@ def build(model_name: str, args):
     from torch import nn
 
     device = args.device
-    if model_name == "mlp":
+    if model_name.startswith("mlp"):
+        batch_size = int(model_name.partition("@")[2] or args.batch.split(",")[0])
         class Block(nn.Module):
             def __init__(self, width: int) -> None:
                 super().__init__()
@@ -122,7 +124,7 @@ def build(model_name: str, args):
                 return x
 
         model = MLP(args.depth, args.width).to(device)
-        batch = {"x": torch.randn(args.batch, args.width, device=device)}
+        batch = {"x": torch.randn(batch_size, args.width, device=device)}
 
         def loss_of(apply_fn):
             return lambda p, b: apply_fn(p, b["x"]).square().mean()
@@ -212,7 +214,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", default="512,4096",
+                        help="MLP batch sizes, comma-separated: one row each")
     parser.add_argument("--gpt-layers", type=int, default=8)
     parser.add_argument("--gpt-width", type=int, default=256)
     parser.add_argument("--gpt-heads", type=int, default=8)
@@ -233,7 +236,9 @@ def main() -> None:
 
     import torch
 
-    models = args.models.split(",")
+    models = []
+    for name in args.models.split(","):
+        models += [f"mlp@{b}" for b in args.batch.split(",")] if name == "mlp" else [name]
     if "gpt" in models and not (ROOT / "examples" / "gpt.py").exists():
         print("examples/gpt.py not found: skipping the GPT row")
         models.remove("gpt")
@@ -241,7 +246,7 @@ def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     print(f"torch {torch.__version__} | device {args.device} | {platform.processor() or platform.machine()} | "
           f"python {platform.python_version()}")
-    print(f"mlp: {args.depth} blocks x + W2 gelu(W1 x), width {args.width}, batch {args.batch}")
+    print(f"mlp@B: {args.depth} blocks x + W2 gelu(W1 x), width {args.width}, batch B")
     print(f"gpt: {args.gpt_layers} layers, width {args.gpt_width}, {args.gpt_heads} heads, seq {args.gpt_seq}, "
           f"batch {args.gpt_batch}, dropout 0.1")
     results: dict = {}
@@ -260,7 +265,7 @@ def main() -> None:
             print(f"{time.perf_counter() - t0:.0f}s (grad peak {r['grad_peak'] / 2**20:.0f} MiB, "
                   f"step {r['step_time'] * 1e3:.0f} ms)", flush=True)
 
-    header = (f"\n{'model':6s} {'policy':15s} {'params':>8s} {'grad peak MiB':>14s} {'ratio':>6s} "
+    header = (f"\n{'model':9s} {'policy':15s} {'params':>8s} {'grad peak MiB':>14s} {'ratio':>6s} "
               f"{'step peak MiB':>14s} {'ratio':>6s} {'step ms':>9s} {'ratio':>6s}")
     print(header)
     print("-" * (len(header) - 1))
@@ -271,7 +276,7 @@ def main() -> None:
 
             def ratio(key, r=r, base=base):
                 return f"{r[key] / base[key]:6.2f}" if base and base[key] > 0 else "     -"
-            print(f"{model_name:6s} {policy:15s} {r['params'] / 1e6:7.1f}M {r['grad_peak'] / 2**20:14.0f} "
+            print(f"{model_name:9s} {policy:15s} {r['params'] / 1e6:7.1f}M {r['grad_peak'] / 2**20:14.0f} "
                   f"{ratio('grad_peak')} {r['step_peak'] / 2**20:14.0f} {ratio('step_peak')} "
                   f"{r['step_time'] * 1e3:9.0f} {ratio('step_time')}")
     print("\nratio: this policy / no checkpoint. Peaks are growths over the memory held before the phase "

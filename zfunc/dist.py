@@ -34,12 +34,19 @@ class Group:
     handle: object | None
     rank: int
     size: int
+    device: torch.device = torch.device("cpu")  # where this group's collectives run
 
     @classmethod
     def resolve(cls, group=None) -> "Group":
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 0, 1)
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        backend = str(dist.get_backend(group)).lower()
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), device)
+
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device this group communicates from (NCCL cannot send host tensors)."""
+        return t if t.device == self.device else t.to(self.device, non_blocking=True)
 
 
 @dataclasses.dataclass
@@ -61,8 +68,11 @@ def all_gather_flat(shard: torch.Tensor, group: Group, counter: CommCounter | No
     if group.size == 1:
         return shard.clone() if out is None else out.copy_(shard)
     if out is None:
-        out = shard.new_empty(shard.numel() * group.size)
-    _all_gather_into(out, shard.contiguous(), group=group.handle)
+        out = group.place(shard).new_empty(shard.numel() * group.size)
+    target = group.place(out)
+    _all_gather_into(target, group.place(shard).contiguous(), group=group.handle)
+    if target is not out:
+        out.copy_(target)
     if counter is not None:
         counter.all_gather += out.numel()
     return out
@@ -72,8 +82,10 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
     """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable)."""
     if group.size == 1:
         return full.clone()
-    out = full.new_empty(full.numel() // group.size)
-    _reduce_scatter_into(out, full.contiguous(), op=dist.ReduceOp.AVG, group=group.handle)
+    placed = group.place(full).contiguous()
+    out = placed.new_empty(full.numel() // group.size)
+    _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
+    out = out.to(full.device)
     if counter is not None:
         counter.reduce_scatter += full.numel()
     return out
@@ -83,8 +95,9 @@ def all_reduce_sum(x: torch.Tensor, group: Group, counter: CommCounter | None = 
     """Σ over ranks of ``x`` (a new tensor; not differentiable)."""
     if group.size == 1:
         return x
-    out = x.detach().clone()
+    out = group.place(x.detach()).clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.handle)
+    out = out.to(x.device)
     if counter is not None:
         counter.all_reduce += out.numel()
     return out

@@ -262,6 +262,10 @@ class _BlockOverride:
 
     def uninstall(self) -> None:
         self.block.__dict__.pop("forward", None)
+        # self.body ends in self._original: a reference cycle that would keep this call (and the
+        # params it was given) alive until the next gc. Recomputes still in flight hold their
+        # own reference to the body.
+        self.body = None
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:

@@ -24,6 +24,7 @@ shard of the optimizer state lives on its host. Must not wrap `shard`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Literal, NamedTuple
 
 import torch
@@ -52,14 +53,37 @@ class offload(Transform):  # noqa: N801
     name = "offload"
     level = 1
 
-    def __init__(self, step: Callable, optimizer: Literal["cpu", "cpu-pytree"] = "cpu") -> None:
+    def __init__(self, step: Callable, optimizer: Literal["cpu", "cpu-pytree"] = "cpu",
+                 threads: int | None = None) -> None:
         if optimizer not in ("cpu", "cpu-pytree"):
             raise ValueError(f"offload: optimizer must be 'cpu' or 'cpu-pytree', got {optimizer!r}")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"offload: threads must be a positive int or None, got {threads!r}")
         super().__init__(step)
-        self.optimizer = optimizer
+        self.optimizer, self.threads = optimizer, threads
 
     def settings(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer} if self.optimizer != "cpu" else {}
+        out: dict[str, Any] = {"optimizer": self.optimizer} if self.optimizer != "cpu" else {}
+        if self.threads is not None:
+            out["threads"] = self.threads
+        return out
+
+    def host_threads(self) -> int:
+        """Threads for the host update: ``threads`` if given; under torchrun this process's share
+        of the cores; otherwise ``torch.get_num_threads()``.
+
+        torchrun sets OMP_NUM_THREADS=1 for every process, which would leave
+        the host optimizer on one core; the cores this process may use,
+        divided among the ranks of this node (LOCAL_WORLD_SIZE), is what
+        DeepSpeed's launcher gives its CPU Adam too.
+        """
+        if self.threads is not None:
+            return self.threads
+        local_ranks = os.environ.get("LOCAL_WORLD_SIZE")
+        if local_ranks is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+            return torch.get_num_threads()  # not launched by torchrun: follow torch's own setting
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // max(1, int(local_ranks)))
 
     # -- layout --------------------------------------------------------------
     def init_state(self, state):
@@ -78,6 +102,14 @@ class offload(Transform):  # noqa: N801
 
     # -- the update ------------------------------------------------------------
     def apply_gradients(self, next, state, grads):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.host_threads())
+        try:
+            return self._apply_on_host(next, state, grads)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _apply_on_host(self, next, state, grads):
         host_grads = tree_map(to_host_async, grads)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
