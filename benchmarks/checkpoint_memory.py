@@ -266,7 +266,7 @@ def main() -> None:
                   f"step {r['step_time'] * 1e3:.0f} ms)", flush=True)
 
     header = (f"\n{'model':9s} {'policy':15s} {'params':>8s} {'grad peak MiB':>14s} {'ratio':>6s} "
-              f"{'step peak MiB':>14s} {'ratio':>6s} {'step ms':>9s} {'ratio':>6s}")
+              f"{'step peak MiB':>14s} {'ratio':>6s} {'step ms':>9s} {'ratio':>6s} {'final loss':>12s}")
     print(header)
     print("-" * (len(header) - 1))
     for model_name in models:
@@ -278,9 +278,10 @@ def main() -> None:
                 return f"{r[key] / base[key]:6.2f}" if base and base[key] > 0 else "     -"
             print(f"{model_name:9s} {policy:15s} {r['params'] / 1e6:7.1f}M {r['grad_peak'] / 2**20:14.0f} "
                   f"{ratio('grad_peak')} {r['step_peak'] / 2**20:14.0f} {ratio('step_peak')} "
-                  f"{r['step_time'] * 1e3:9.0f} {ratio('step_time')}")
+                  f"{r['step_time'] * 1e3:9.0f} {ratio('step_time')} {r['loss']:12.7f}")
     print("\nratio: this policy / no checkpoint. Peaks are growths over the memory held before the phase "
-          "(params + optimizer state + batch).")
+          "(params + optimizer state + batch).\nfinal loss: the loss of the last step; equal across policies "
+          "(dropout included) because a checkpointed step computes the same thing.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "torch": torch.__version__,

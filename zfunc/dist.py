@@ -51,11 +51,25 @@ class Group:
 
 @dataclasses.dataclass
 class CommCounter:
-    """Elements moved per rank by the collectives of one step, by kind."""
+    """Elements moved per rank by the collectives of one step, by kind.
+
+    Also holds the gradient reduce-scatters still in flight (``pending``):
+    they are issued asynchronously while backward goes on, and their results
+    are read only after `wait_pending`, so communication overlaps compute.
+    """
 
     all_gather: int = 0
     reduce_scatter: int = 0
     all_reduce: int = 0
+    pending: list = dataclasses.field(default_factory=list)
+    overlap: bool = True
+
+    def wait_pending(self) -> None:
+        """Block (the host on gloo, the current stream on NCCL) until every pending collective is done."""
+        while self.pending:
+            work, finish = self.pending.pop(0)
+            work.wait()
+            finish()
 
     @property
     def total(self) -> int:
@@ -84,11 +98,31 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
         return full.clone()
     placed = group.place(full).contiguous()
     out = placed.new_empty(full.numel() // group.size)
-    _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
-    out = out.to(full.device)
     if counter is not None:
         counter.reduce_scatter += full.numel()
-    return out
+    if counter is not None and counter.overlap and out.device == full.device:
+        # Asynchronous: the caller gets ``out`` now and must not read it
+        # before counter.wait_pending() (shard does so when backward ends).
+        work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
+        counter.pending.append((work, lambda: None))
+        _wait_when_backward_ends(counter)
+        return out
+    _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
+    return out.to(full.device)
+
+
+def _wait_when_backward_ends(counter: CommCounter) -> None:
+    """Have the running backward pass wait for ``counter``'s collectives before it returns.
+
+    Whoever called backward (zf.value_and_grad, micro-batch by micro-batch
+    under `accumulate`) may read the gradients as soon as it returns, so the
+    wait is queued on the autograd engine (as DDP and FSDP do). Outside a
+    backward pass this does nothing; the caller waits explicitly.
+    """
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(counter.wait_pending)
+    except RuntimeError:  # not inside backward
+        pass
 
 
 def all_reduce_sum(x: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:

@@ -186,6 +186,7 @@ class shard(Transform):  # noqa: N801
             for unit in layout.units:
                 flat = unit.pack_full(grads)
                 sharded.update(unit.shard_views(dist.reduce_scatter_flat(flat, group, call.counter), group.rank))
+            call.counter.wait_pending()
             return value, sharded
         full_flats = None
         if self.stage == 2:
@@ -199,6 +200,7 @@ class shard(Transform):  # noqa: N801
             return fn(ShardedParams(shard_params, full_flats), *a, **kw)
 
         value, grads = next(loss_on_shards, shards, args, kwargs, has_aux)
+        call.counter.wait_pending()  # the reduce-scatters issued during backward
         if call.sharded_applies == before:
             raise RuntimeError(
                 "shard: the loss function did not run the model on the params it was given; under shard, pass "
