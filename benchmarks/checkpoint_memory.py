@@ -131,7 +131,7 @@ def build(model_name: str, args):
         return model, batch, loss_of
 
     sys.path.insert(0, str(ROOT))
-    from examples.gpt import GPT, GPTConfig  # noqa: PLC0415
+    from examples.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=args.gpt_vocab, block_size=args.gpt_seq, n_layer=args.gpt_layers,
                     n_head=args.gpt_heads, n_embd=args.gpt_width, dropout=0.1)

@@ -129,6 +129,18 @@ def run_zfunc(args, stage, use_offload, device):
             phase_times.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])))
 
     result = time_steps(args, one, after_step)
+    if args.profile and dist.get_rank() == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(3):
+                one(args.warmup + args.steps + i)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60),
+              flush=True)
+    elif args.profile:
+        for i in range(3):
+            one(args.warmup + args.steps + i)
     if phase_times:
         t = phase_times[args.warmup:]
         result["phases_ms"] = {name: statistics.median(x[j] for x in t)
@@ -256,6 +268,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--contenders", default="all", help="comma list from: " + ",".join(ALL + ["floor"]))
     p.add_argument("--json")
+    p.add_argument("--profile", action="store_true", help="profile 3 extra zfunc steps (rank 0 prints a table)")
     args = p.parse_args()
     args.micro_batch = args.micro_batch or SHAPES[args.model][3]
     local = int(os.environ.get("LOCAL_RANK", 0))

@@ -30,5 +30,5 @@ if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL 300 torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
-    --contenders floor,zfunc-s1,zfunc-s1-offload,ds-z2,ds-z2-offload --json "$OUT/single_$MODEL.json"
+    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s1-offload,ds-z2,ds-z2-offload} --json "$OUT/single_$MODEL.json" ${PROFILE:+--profile}
 fi

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
@@ -96,7 +95,7 @@ def test_opt_state_is_fp32_for_the_master():
 
 def test_overflow_step_is_skipped_and_changes_nothing_but_the_scaler():
     kw = dict(initial_scale_power=10, loss_scale_window=1000, hysteresis=1)
-    wrap = lambda s: mixed_precision(s, "fp16", **kw)  # noqa: E731
+    wrap = lambda s: mixed_precision(s, "fp16", **kw)
     _, before, step, _ = run(wrap, zf.optim.adamw(1e-2), [batch(0)])
     snapshot = zf.tree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                                 (before.step, before.params, before.opt_state, before.extras["mixed_precision"].master))

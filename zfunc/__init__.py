@@ -6,9 +6,10 @@
         loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
     step = shard(offload(train_step), stage=3)      # from zfunc.transforms
+    state = step.init(state); state, metrics = step(state, batch)
 """
 
-from zfunc import optim, tree
+from zfunc import io, optim, tree
 from zfunc.autodiff import grad, value_and_grad
 from zfunc.functional import FunctionalModel, ModelCall, functional
 from zfunc.interpret import Transform, gather, init, psum
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FunctionalModel", "ModelCall", "TrainState", "Transform", "accumulate", "functional", "gather",
-    "grad", "init", "optim", "psum", "tree", "value_and_grad",
+    "grad", "init", "io", "optim", "psum", "tree", "value_and_grad",
 ]

@@ -60,7 +60,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +71,6 @@ from zfunc.functional import select_blocks
 from zfunc.interpret import Transform
 from zfunc.recompute import recompute
 from zfunc.tree import tree_leaves
-
 
 # --------------------------------------------------------------------------
 # Policies
@@ -319,7 +319,9 @@ def _host_saver(num_params: int, pin_memory: bool) -> Callable:
 
     Under a `torch.func` transform ``save`` is called once per functorch
     level with the same values; the host copies of the first call are
-    reused, so each input crosses to the host once.
+    reused, so each input crosses to the host once. Loading releases them:
+    what a ctx holds as attributes (unlike ``save_for_backward``) would
+    otherwise live until the whole graph is freed, after backward.
     """
     cache: dict[str, list] = {}
 
@@ -327,9 +329,20 @@ def _host_saver(num_params: int, pin_memory: bool) -> Callable:
         params, inputs = tensors[:num_params], tensors[num_params:]
         if "host" not in cache:
             cache["host"] = [_to_host(t, pin_memory) for t in inputs]
-        host = cache["host"]
         devices = [t.device for t in inputs]
-        return (params, host), lambda stored: _load(stored, devices)
+        stash = [params, cache["host"]]
+
+        def load(stored: list) -> tuple:
+            kept, host = stored
+            if kept is None:
+                raise RuntimeError("checkpoint(policy='offload_inputs'): a second backward through a block "
+                                   "whose offloaded inputs were released by the first (retain_graph is not "
+                                   "supported with this policy)")
+            stored[0] = stored[1] = None
+            cache.clear()
+            return _load(kept, host, devices)
+
+        return stash, load
 
     return save
 
@@ -344,8 +357,7 @@ def _to_host(t: torch.Tensor, pin_memory: bool):
     return (host, None)
 
 
-def _load(stored, devices) -> tuple:
-    params, host = stored
+def _load(params: tuple, host: list, devices: list) -> tuple:
     out = []
     for (t, version), device in zip(host, devices):
         if version is not None:

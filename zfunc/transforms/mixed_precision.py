@@ -78,7 +78,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from typing import Any, Callable, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -126,7 +127,7 @@ class Policy:
         object.__setattr__(self, "reduce_dtype", reduce)
 
     @classmethod
-    def parse(cls, policy: "str | Policy") -> "Policy":
+    def parse(cls, policy: str | Policy) -> Policy:
         """``"bf16"``, ``"fp16"``, ``"fp32"``, a jmp string
         (``"params=fp32,compute=bf16,output=fp32[,reduce=fp32]"``) or a `Policy`."""
         if isinstance(policy, Policy):
@@ -205,7 +206,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
     name = "mixed_precision"
     level = 0
 
-    def __init__(self, step: Callable, policy: "str | Policy" = "bf16", *, loss_scale: float = 0.0,
+    def __init__(self, step: Callable, policy: str | Policy = "bf16", *, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
                  min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False) -> None:
         self.policy = Policy.parse(policy)
@@ -462,7 +463,7 @@ def policy_of(step: Callable) -> Policy | None:
 
     `shard` uses it to reduce gradients in ``policy.reduce`` (torch dtype).
     """
-    from zfunc.interpret import transforms_of  # noqa: PLC0415
+    from zfunc.interpret import transforms_of
 
     for t in transforms_of(step):
         if isinstance(t, mixed_precision):

@@ -1,0 +1,85 @@
+"""offload on a CPU-only machine: equivalence with the plain step, kernel and pytree paths, transfers."""
+
+import pytest
+import torch
+
+import zfunc as zf
+from tests.models import make_batch
+from tests.shard_cases import build
+from zfunc.transforms import accumulate, mixed_precision, offload
+from zfunc.transforms.offload import copy_grouped, write_grouped
+
+OPTIMIZERS = {
+    "adamw+schedule": lambda: zf.optim.adamw(zf.optim.warmup_cosine(1e-2, 2, 10), weight_decay=0.1),
+    "adamw+mask": lambda: zf.optim.adamw(1e-2, weight_decay=0.1, mask=lambda name: name.endswith("weight")),
+    "adam+l2": lambda: zf.optim.adam(1e-2, weight_decay=0.05),
+    "clip+adamw": lambda: zf.optim.chain(zf.optim.clip_by_global_norm(0.05), zf.optim.adamw(1e-2)),
+    "sgd": lambda: zf.optim.sgd(0.1, momentum=0.9, nesterov=True),
+    "lamb": lambda: zf.optim.lamb(1e-2, weight_decay=0.01),
+}
+
+
+def trained(wrap, make_opt, steps=4):
+    step, state = build()
+    state = state.replace(opt_state=make_opt().init(state.params), tx=make_opt())
+    step = wrap(step)
+    state = zf.init(step, state)
+    for i in range(steps):
+        state, _ = step(state, make_batch(8, seed=i))
+    return zf.gather(step, state)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("path", ["cpu", "cpu-pytree"])
+def test_offload_equals_plain_step(name, path):
+    ref = trained(lambda s: s, OPTIMIZERS[name])
+    got = trained(lambda s: offload(s, optimizer=path), OPTIMIZERS[name])
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-6, atol=1e-7, msg=f"{name} {path} {key}")
+
+
+def test_offload_with_accumulate_and_mixed_precision():
+    make = OPTIMIZERS["adamw+schedule"]
+    ref = trained(lambda s: accumulate(s, micro_batches=2), make)
+    got = trained(lambda s: offload(accumulate(s, micro_batches=2)), make)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-6, atol=1e-7)
+    ref = trained(lambda s: mixed_precision(s, "bf16"), make)
+    got = trained(lambda s: offload(mixed_precision(s, "bf16")), make)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_path_is_used_for_adam_and_updates_in_place():
+    step, state = build()
+    off = offload(step)
+    state = off.init(state)
+    moment = state.opt_state[0].mu["blocks.0.up.weight"]
+    before = moment.clone()
+    new, _ = off(state, make_batch(8))
+    assert new.opt_state[0].mu["blocks.0.up.weight"] is moment  # in place (donated)
+    assert not torch.equal(moment, before)
+    assert int(new.opt_state[0].count) == 1
+
+
+def test_grouped_transfers_batch_views_of_one_buffer():
+    flat = torch.arange(20, dtype=torch.float32)
+    views = {"a": flat[0:6].view(2, 3), "b": flat[6:10], "c": flat[10:20].view(5, 2)}
+    copies = copy_grouped(views, lambda t: True)
+    for k in views:
+        assert torch.equal(copies[k], views[k]) and copies[k].data_ptr() != views[k].data_ptr()
+    storages = {copies[k].untyped_storage().data_ptr() for k in copies}
+    assert len(storages) == 1  # one host buffer, one copy
+    dest = {k: torch.zeros_like(v) for k, v in views.items()}
+    write_grouped({k: v + 1 for k, v in views.items()}, dest)
+    for k in views:
+        assert torch.equal(dest[k], views[k] + 1)
+
+
+def test_bad_arguments():
+    step, _ = build()
+    with pytest.raises(ValueError, match="optimizer must be"):
+        offload(step, optimizer="gpu")
+    with pytest.raises(ValueError, match="threads"):
+        offload(step, threads=0)
+    assert repr(offload(step, threads=4)) == "offload(build.<locals>.train_step, threads=4)"
