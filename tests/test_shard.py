@@ -120,21 +120,31 @@ def peak_gathered_blocks() -> int:
         peak[0] = max(peak[0], sum(r() is not None for r in alive))
         return result
 
+    original_prefetch_init = zdist.Prefetch.__init__
+
+    def tracking_prefetch(self, shard_, group, counter):
+        original_prefetch_init(self, shard_, group, counter)
+        alive.append(weakref.ref(self.out))
+        peak[0] = max(peak[0], sum(r() is not None for r in alive))
+
     zdist.all_gather_flat = tracking
+    zdist.Prefetch.__init__ = tracking_prefetch
     try:
         step, state = build()
         sharded = shard(step, stage=3)
         state = sharded.init(state)
-        sharded(state, local_batch(0, rank, world))
+        _, metrics = sharded(state, local_batch(0, rank, world))
     finally:
         zdist.all_gather_flat = original
+        zdist.Prefetch.__init__ = original_prefetch_init
+    assert sum(1 for r in alive) >= 2 * 3 + 1  # root + every block forward and backward: all tracked
     return peak[0]
 
 
 def test_stage3_keeps_a_bounded_number_of_blocks_gathered():
     # TinyLM has 3 blocks + the root unit: without freeing, 4 gathered buffers
-    # would be alive by the end of forward; ZeRO-3 keeps the root and the
-    # running block (plus the one whose gradient is being reduced).
+    # would be alive by the end of forward and 7 through backward; ZeRO-3 with
+    # prefetch keeps the root, the running block and the next block's gather.
     for peak in run_distributed(peak_gathered_blocks, 2):
         assert peak <= 3, peak
 

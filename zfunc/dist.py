@@ -137,20 +137,50 @@ def all_reduce_sum(x: torch.Tensor, group: Group, counter: CommCounter | None = 
     return out
 
 
+class Prefetch:
+    """An all-gather issued ahead of its use (asynchronously), redeemed once with `result`.
+
+    `shard(stage=3)` gathers the next block's parameters while the current
+    block computes. Every rank issues the same prefetches in the same order,
+    so collectives stay matched across ranks.
+    """
+
+    def __init__(self, shard: torch.Tensor, group: Group, counter: CommCounter) -> None:
+        placed = group.place(shard).contiguous()
+        self.out = placed.new_empty(shard.numel() * group.size)
+        self.work = None
+        if group.size == 1:
+            self.out.copy_(placed)
+        else:
+            self.work = _all_gather_into(self.out, placed, group=group.handle, async_op=True)
+            counter.all_gather += self.out.numel()
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.out
+
+
 class AllGather(torch.autograd.Function):
-    """``full = cat_r(shard_r)``; backward: ``grad_shard = mean_r(grad_full)[this rank]``."""
+    """``full = cat_r(shard_r)``; backward: ``grad_shard = mean_r(grad_full)[this rank]``.
+
+    ``prefetched``: a `Prefetch` of the same gather issued earlier, used instead of gathering now.
+    """
 
     @staticmethod
-    def forward(shard, group, counter):
+    def forward(shard, group, counter, prefetched=None):
+        if prefetched is not None:
+            return prefetched.result()
         return all_gather_flat(shard, group, counter)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.counter = inputs
+        ctx.group, ctx.counter = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None
+        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):

@@ -28,7 +28,9 @@ How it falls out of the primitives:
 - ``apply``: stage 3 gathers the root unit once per call and each block unit
   inside the block (a "materialize" wrapper); the block is recomputed in
   backward (`zfunc.recompute`) so its gathered weights are not kept by
-  autograd between forward and backward: only the running block is whole.
+  autograd between forward and backward: only the running block is whole,
+  plus the next one, whose all-gather is issued asynchronously while the
+  current block computes (forward in layout order, backward in reverse).
 - ``apply_gradients``: the inner transforms and the optimizer run on this
   rank's shards (the state's param-shaped dicts are 1-D views into flat
   per-unit buffers); the results are written back into those buffers and,
@@ -74,6 +76,13 @@ class _Call:
         self.layout, self.group = layout, group
         self.counter = dist.CommCounter()
         self.sharded_applies = 0
+        self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
+
+    def drop_prefetched(self) -> None:
+        """Finish and forget prefetches nobody used (e.g. a forward without backward)."""
+        for prefetch in self.prefetched.values():
+            prefetch.result()
+        self.prefetched.clear()
 
 
 class shard(Transform):  # noqa: N801
@@ -163,6 +172,7 @@ class shard(Transform):  # noqa: N801
         outer, self._call = self._call, _Call(layout, group)
         try:
             new_state, metrics = self.step(state, batch)
+            self._call.drop_prefetched()
             metrics = {**metrics, "comm_elements": self._call.counter.total}
         finally:
             self._call = outer
@@ -228,12 +238,37 @@ class shard(Transform):  # noqa: N801
         unit_of = layout.unit_of()
         _check_ties(model_call, unit_of)
 
+        blocks = [u for u in layout.units if u.name != ROOT]
+        position = {u.name: i for i, u in enumerate(blocks)}
+
+        def prefetch(phase: str, index: int) -> None:
+            # Stage 3 runs blocks in layout order forward and in reverse in the
+            # recompute of backward: gather the next one while this one computes.
+            if 0 <= index < len(blocks) and (phase, blocks[index].name) not in call.prefetched:
+                unit = blocks[index]
+                flat = unit.cat_shard({k: params[k] for k in unit.keys}, group.rank).detach()
+                call.prefetched[(phase, unit.name)] = dist.Prefetch(flat, group, call.counter)
+
         def materialize(unit: UnitLayout, slices: dict) -> dict:
             flat_shard = unit.cat_shard(slices, group.rank)
-            if full_flats is None:
-                full = dist.AllGather.apply(flat_shard, group, call.counter)
-            else:
+            if full_flats is not None:
                 full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter)
+                return unit.full_views(full)
+            if unit.name == ROOT:
+                full = dist.AllGather.apply(flat_shard, group, call.counter)
+                prefetch("forward", 0)
+                return unit.full_views(full)
+            # The forward of a recomputed block runs without grad; its backward rerun with it.
+            phase = "backward" if torch.is_grad_enabled() else "forward"
+            ready = call.prefetched.pop((phase, unit.name), None)
+            full = dist.AllGather.apply(flat_shard, group, call.counter, ready)
+            i = position[unit.name]
+            if phase == "forward":
+                prefetch("forward", i + 1)
+                if i == len(blocks) - 1:
+                    prefetch("backward", i)  # backward starts with the last block
+            else:
+                prefetch("backward", i - 1)
             return unit.full_views(full)
 
         new_params = dict(params)
