@@ -82,4 +82,4 @@ def test_bad_arguments():
         offload(step, optimizer="gpu")
     with pytest.raises(ValueError, match="threads"):
         offload(step, threads=0)
-    assert repr(offload(step, threads=4)) == "offload(build.<locals>.train_step, threads=4)"
+    assert repr(offload(step, threads=4)) == "offload(train_step, threads=4)"

@@ -194,4 +194,4 @@ def test_bad_orders_and_arguments_are_refused():
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         shard(step, stage=4)
     assert repr(shard(offload(accumulate(step, micro_batches=2)), stage=3)) == \
-        "shard(offload(accumulate(build.<locals>.train_step, micro_batches=2)), stage=3)"
+        "shard(offload(accumulate(train_step, micro_batches=2)), stage=3)"

@@ -80,7 +80,7 @@ def test_init_and_gather_of_plain_steps():
 
 def test_transform_repr_and_type_checks():
     step, _ = build()
-    assert repr(accumulate(step, micro_batches=2)) == "accumulate(build.<locals>.train_step, micro_batches=2)"
+    assert repr(accumulate(step, micro_batches=2)) == "accumulate(train_step, micro_batches=2)"
     with pytest.raises(TypeError, match="step function"):
         accumulate(42, micro_batches=2)
     with pytest.raises(ValueError, match="offload must be the outer one"):

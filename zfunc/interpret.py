@@ -165,7 +165,7 @@ class Transform:
 
     def __repr__(self) -> str:
         inner = repr(self.step) if isinstance(self.step, Transform) else getattr(
-            self.step, "__qualname__", repr(self.step))
+            self.step, "__name__", repr(self.step))
         extra = "".join(f", {k}={v!r}" for k, v in self.settings().items())
         return f"{self.name}({inner}{extra})"
 
