@@ -83,3 +83,31 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="threads"):
         offload(step, threads=0)
     assert repr(offload(step, threads=4)) == "offload(train_step, threads=4)"
+
+
+def test_mixed_precision_compute_copy_comes_from_the_kernel():
+    """bf16 grads go into the kernel as they are; it writes the bf16 compute copy in the same pass
+    (into the parameters themselves on a CPU-only machine): bitwise the cast of the new master."""
+    step, state = build()
+    off = offload(mixed_precision(step, "bf16"))
+    state = off.init(state)
+    before = {k: v.data_ptr() for k, v in state.params.items()}
+    calls = []
+    import importlib
+    mp_module = importlib.import_module("zfunc.transforms.mixed_precision")
+    original = mp_module.plain_compute_copy
+    mp_module.plain_compute_copy = lambda master, dtype: calls.append(1) or original(master, dtype)
+    try:
+        state, _ = off(state, make_batch(8))
+    finally:
+        mp_module.plain_compute_copy = original
+    assert not calls  # no separate cast pass
+    master = state.extras["mixed_precision"].master
+    for k, p in state.params.items():
+        assert p.dtype == torch.bfloat16 and p.data_ptr() == before[k]
+        assert torch.equal(p, master[k].to(torch.bfloat16))
+    ref_step, ref_state = build()
+    ref = mixed_precision(ref_step, "bf16")
+    ref_state, _ = ref(ref.init(ref_state), make_batch(8))
+    for k, p in ref_state.extras["mixed_precision"].master.items():
+        torch.testing.assert_close(master[k], p, rtol=1e-6, atol=1e-7)

@@ -16,6 +16,7 @@ primitive            what it means                                       called 
 ``apply_gradients``  one optimizer update of a state                     `TrainState.apply_gradients`
 ``psum``             sum a per-shard partial quantity over shards        norms, overflow checks
 ``update_params``    the optimizer arithmetic on (params, grads, state)  the plain apply_gradients
+``compute_copy``     the compute-dtype copy of the fp32 master          mixed_precision
 ===================  ==================================================  ==================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition

@@ -76,8 +76,15 @@ def pure_update(tx: GradientTransformation, params: Any, grads: Any, opt_state: 
     This is the ``update_params`` primitive: the optimizer's arithmetic on
     whatever tensors reach it (shards, host copies, masters). A transform may
     replace it with a fused in-place kernel that computes the same update
-    (`offload` does, on the host).
+    (`offload` does, on the host; `shard` on CUDA).
+
+    Gradients may arrive in a lower precision than the parameters (the bf16
+    gradients of `mixed_precision` against its fp32 master); they are upcast
+    here, exactly, so that a fused kernel can read them in their own dtype
+    instead of a transform materializing an fp32 copy first.
     """
+    grads = {k: g if g.dtype == params[k].dtype else g.to(params[k].dtype) for k, g in grads.items()} \
+        if isinstance(grads, dict) and isinstance(params, dict) else grads
     updates, opt_state = tx.update(grads, opt_state, params)
     return apply_updates(params, updates), opt_state
 

@@ -85,7 +85,7 @@ import torch
 from torch import nn
 
 from zfunc.autodiff import check_scalar_loss
-from zfunc.interpret import Transform, psum
+from zfunc.interpret import Transform, dispatch, psum
 from zfunc.tree import tree_map_tensors
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
@@ -399,9 +399,11 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         pol = self.policy
         master_dtype = pol.param
         if self.scaling == "none":
-            grads = {k: g.to(master_dtype) for k, g in grads.items()}
             if not mp.master:
-                return next(state, grads)
+                return next(state, {k: g.to(master_dtype) for k, g in grads.items()})
+            # Handed on in the compute dtype: the optimizer's update upcasts them
+            # exactly (`zfunc.state.pure_update`), and a fused kernel reads them
+            # as they are, saving a full fp32 copy of the gradients.
             new = next(state.replace(params=dict(mp.master)), grads)
             return self._write_back(new, mp._replace(master=dict(new.params)))
 
@@ -433,9 +435,13 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         return self._write_back(new, new_mp._replace(master=dict(new.params)))
 
     def _write_back(self, new, mp: MixedPrecisionState):
-        """``new`` came back from the optimizer holding the master as params: re-derive the compute copy."""
-        compute = self.policy.compute
-        params = {k: v.to(compute) for k, v in mp.master.items()}
+        """``new`` came back from the optimizer holding the master as params: re-derive the compute copy.
+
+        Through the ``compute_copy`` primitive, so that a transform whose fused
+        optimizer kernel already wrote the compute copy (`offload`) hands it
+        over instead of casting the master again.
+        """
+        params = dispatch("compute_copy", plain_compute_copy, mp.master, self.policy.compute)
         return new.replace(params=params, extras={**new.extras, self.name: mp})
 
     def _update_scale(self, mp: MixedPrecisionState, overflow: torch.Tensor):
@@ -456,6 +462,11 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
         return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps), at_min
+
+
+def plain_compute_copy(master: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The ``compute_copy`` primitive: ``master`` cast to the compute dtype (round to nearest even)."""
+    return {k: v.to(dtype) for k, v in master.items()}
 
 
 def policy_of(step: Callable) -> Policy | None:

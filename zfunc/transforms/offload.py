@@ -115,8 +115,16 @@ class offload(Transform):  # noqa: N801
             torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
         own_master = state.extras.get("offload")
         inner = state.replace(params=own_master.master) if own_master is not None else state
-        new = next(inner, host_grads)
         device_params = state.params
+        # Scratch of this update only: where the kernel may write the compute
+        # copy (the parameters themselves when they live on the host), and the
+        # copies it wrote, handed to mixed_precision through ``compute_copy``.
+        self._lowp_targets = device_params if _on_cpu(device_params) else None
+        self._lowp_written: dict[int, torch.Tensor] = {}
+        try:
+            new = next(inner, host_grads)
+        finally:
+            self._lowp_targets, self._lowp_written = None, {}
         # Back to the device, in the compute dtype, in place.
         write_grouped({k: t for k, t in new.params.items() if t is not device_params[k]}, device_params)
         extras = dict(new.extras)
@@ -127,15 +135,37 @@ class offload(Transform):  # noqa: N801
     def update_params(self, next, tx, params, grads, opt_state):
         if self.optimizer == "cpu-pytree" or not _kernel_applies(tx, params, grads):
             return next(tx, params, grads, opt_state)
-        return kernel_update(tx, params, grads, opt_state)
+        lowp = self._compute_dtype()
+        outs = None
+        if lowp is not None and all(p.dtype != lowp for p in params.values()):
+            outs = lowp_outputs(params, lowp, getattr(self, "_lowp_targets", None))
+            self._lowp_written = {id(params[k]): out for k, out in outs.items()}
+        return kernel_update(tx, params, grads, opt_state, outs)
+
+    def compute_copy(self, next, master, dtype):
+        """The compute copy the kernel wrote while updating ``master``, if it did; else cast."""
+        written = getattr(self, "_lowp_written", None) or {}
+        copies = {k: written.get(id(t)) for k, t in master.items()}
+        if all(c is not None and c.dtype == dtype for c in copies.values()):
+            return copies
+        return next(master, dtype)
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        from zfunc.transforms.mixed_precision import policy_of  # noqa: PLC0415
+
+        policy = policy_of(self.step)
+        return None if policy is None or policy.compute == policy.param else policy.compute
 
 
-def kernel_update(tx, params: dict, grads: dict, opt_state):
+def kernel_update(tx, params: dict, grads: dict, opt_state, out_lowp: dict | None = None):
     """Adam/AdamW through the fused CPU kernel, in place on params and moments.
 
     Computes what ``tx.update`` + ``apply_updates`` compute (the same math and
     order as torch's fused AdamW). Parameters and moments are updated in
     place and returned; counters and the learning rate are new tensors.
+    Gradients may be fp32, bf16 or fp16. ``out_lowp``: per key, a bf16/fp16
+    tensor that receives the updated parameters in the same pass (the
+    compute copy, rounded to nearest even exactly as ``.to()``).
     """
     from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
 
@@ -144,8 +174,38 @@ def kernel_update(tx, params: dict, grads: dict, opt_state):
     for key, p in params.items():
         if p.numel():
             adamw_(p, grads[key], fused.mu[key], fused.nu[key], lr=lr, beta1=fused.b1, beta2=fused.b2,
-                   eps=fused.eps, weight_decay=fused.weight_decay[key], step=step, mode=fused.mode)
+                   eps=fused.eps, weight_decay=fused.weight_decay[key], step=step, mode=fused.mode,
+                   out_lowp=None if out_lowp is None else out_lowp[key])
     return params, fused.new_state()
+
+
+def lowp_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
+                 targets: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Where the kernel writes the compute copy of each parameter.
+
+    ``targets`` (the compute copy itself, when it lives on the host) where
+    they fit; otherwise pinned buffers laid out like ``params`` (one per flat
+    buffer), so the copy to the device is one transfer per buffer.
+    """
+    if targets is not None and all(
+            k in targets and targets[k].dtype == dtype and targets[k].is_contiguous()
+            and targets[k].numel() == p.numel() for k, p in params.items()):
+        return {k: targets[k] for k in params}
+    pin = torch.cuda.is_available()
+    outs: dict[str, torch.Tensor] = {}
+    for keys, start, length in _spans(params):
+        if start is None:
+            p = params[keys[0]]
+            outs[keys[0]] = torch.empty(p.shape, dtype=dtype, pin_memory=pin)
+            continue
+        flat = torch.empty(length, dtype=dtype, pin_memory=pin)
+        for k in keys:
+            offset = params[k].storage_offset() - start
+            outs[k] = flat[offset:offset + params[k].numel()].view(params[k].shape)
+    for k, p in params.items():
+        if k not in outs:  # empty shards
+            outs[k] = torch.empty(p.shape, dtype=dtype)
+    return outs
 
 
 def _kernel_applies(tx, params: dict, grads: dict) -> bool:
@@ -238,8 +298,27 @@ def write_grouped(fresh: dict[str, torch.Tensor], dest: dict[str, torch.Tensor])
             dest[keys[0]].copy_(fresh[keys[0]], non_blocking=False)
             continue
         first = dest[keys[0]]
+        source = _same_layout_span(fresh, keys, dest, start)
+        if source is not None:  # already one pinned buffer laid out like the destination
+            _flat(first, start, length).copy_(_flat(source, source.storage_offset(), length), non_blocking=pin)
+            continue
         staging = torch.empty(length, dtype=first.dtype, pin_memory=pin)
         for k in keys:  # host-side copies (and casts) into one pinned buffer
             offset = dest[k].storage_offset() - start
             staging[offset:offset + dest[k].numel()].view(dest[k].shape).copy_(fresh[k])
         _flat(first, start, length).copy_(staging, non_blocking=pin)
+
+
+def _same_layout_span(fresh: dict, keys: list[str], dest: dict, start: int) -> torch.Tensor | None:
+    """``fresh[keys[0]]`` if ``fresh[keys]`` sit in one host buffer exactly as ``dest[keys]`` sit in theirs."""
+    first = fresh[keys[0]]
+    if first.device.type != "cpu" or not first.is_contiguous():
+        return None
+    base = first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    for k in keys:
+        f, d = fresh[k], dest[k]
+        if (f.untyped_storage().data_ptr() != storage or f.dtype != d.dtype or not f.is_contiguous()
+                or f.storage_offset() - base != d.storage_offset() - start):
+            return None
+    return first

@@ -294,10 +294,12 @@ class shard(Transform):  # noqa: N801
     def update_params(self, next, tx, params, grads, opt_state):
         """On CUDA, Adam/AdamW over all of this rank's shards in a few fused launches."""
         fused = FusedAdam.of(tx, opt_state, params)
-        tensors = [*params.values(), *grads.values()]
-        if fused is None or not all(t.is_cuda and t.dtype == torch.float32 for t in tensors):
+        if fused is None or not all(p.is_cuda and p.dtype == torch.float32 for p in params.values()) \
+                or not all(g.is_cuda and g.is_floating_point() for g in grads.values()):
             return next(tx, params, grads, opt_state)
         from zfunc.kernels.gpu_adam import adam_  # noqa: PLC0415
+
+        grads = {k: g.float() for k, g in grads.items()}  # mixed precision hands bf16/fp16 grads on
 
         for wd in sorted(set(fused.weight_decay.values())):
             keys = [k for k, p in params.items() if fused.weight_decay[k] == wd and p.numel()]
