@@ -85,7 +85,7 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
         side["is_tensor"] = [isinstance(x, torch.Tensor) for x in leaves]
         return loss, [x for x in leaves if isinstance(x, torch.Tensor)]
 
-    if _under_functorch_or_compile():
+    if under_torch_func_or_compile():
         loss, vjp_fn, aux_tensors = torch.func.vjp(loss_of, params, has_aux=True)
         (grads,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
     else:
@@ -107,7 +107,7 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
     return loss, tree_unflatten(spec, list(grads)), aux_tensors
 
 
-def _under_functorch_or_compile() -> bool:
+def under_torch_func_or_compile() -> bool:
     """True inside a torch.func transform (vmap, grad, ...) or while torch.compile traces."""
     if torch.compiler.is_compiling():
         return True

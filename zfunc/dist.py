@@ -145,9 +145,10 @@ class Prefetch:
     so collectives stay matched across ranks.
     """
 
-    def __init__(self, shard: torch.Tensor, group: Group, counter: CommCounter) -> None:
+    def __init__(self, shard: torch.Tensor, group: Group, counter: CommCounter,
+                 out: torch.Tensor | None = None) -> None:
         placed = group.place(shard).contiguous()
-        self.out = placed.new_empty(shard.numel() * group.size)
+        self.out = placed.new_empty(shard.numel() * group.size) if out is None else out
         self.work = None
         if group.size == 1:
             self.out.copy_(placed)

@@ -26,11 +26,16 @@ How it falls out of the primitives:
   after backward (after all micro-batches under `accumulate`). In every stage
   the step sees gradients as this rank's 1-D shards, keyed like params.
 - ``apply``: stage 3 gathers the root unit once per call and each block unit
-  inside the block (a "materialize" wrapper); the block is recomputed in
-  backward (`zfunc.recompute`) so its gathered weights are not kept by
-  autograd between forward and backward: only the running block is whole,
-  plus the next one, whose all-gather is issued asynchronously while the
-  current block computes (forward in layout order, backward in reverse).
+  inside the block (a "materialize" wrapper), so only the running block is
+  whole, plus the next one, whose all-gather is issued asynchronously while
+  the current block computes (forward in layout order, backward in reverse).
+  Autograd would keep every gathered block alive until backward; with
+  ``reshard="release"`` (default) the gathered storage is freed after the
+  block's forward and refilled just before its backward (`reshard`), as
+  FSDP2 does; with ``reshard="recompute"`` the block is recomputed in
+  backward (`zfunc.recompute`), which also drops its activations (ZeRO-3 +
+  activation checkpointing) at the cost of a second forward. Under a
+  `torch.func` transform or `torch.compile`, stage 3 recomputes.
 - ``apply_gradients``: the inner transforms and the optimizer run on this
   rank's shards (the state's param-shaped dicts are 1-D views into flat
   per-unit buffers); the results are written back into those buffers and,
@@ -50,7 +55,9 @@ import torch
 
 from zfunc import dist
 from zfunc.interpret import Transform
+from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.optim.fused import FusedAdam
+from zfunc.transforms.reshard import ReleasedBuffer, around_block
 from zfunc.transforms.shard_layout import (
     ROOT, ShardLayout, UnitLayout, make_layout, map_param_shaped, zip_param_shaped,
 )
@@ -77,12 +84,16 @@ class _Call:
         self.counter = dist.CommCounter()
         self.sharded_applies = 0
         self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
+        self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
 
     def drop_prefetched(self) -> None:
         """Finish and forget prefetches nobody used (e.g. a forward without backward)."""
         for prefetch in self.prefetched.values():
             prefetch.result()
         self.prefetched.clear()
+        for buffer in self.released.values():
+            buffer.wait()
+        self.released.clear()
 
 
 class shard(Transform):  # noqa: N801
@@ -91,24 +102,33 @@ class shard(Transform):  # noqa: N801
     ``group``: a torch.distributed process group (default: the world; a world
     of 1 when torch.distributed is not initialized). ``units``: module names
     gathered/reduced as one collective each (default: the model's repeated
-    blocks, read off parameter names; everything else is the root unit).
+    blocks, read off parameter names; everything else is the root unit): the
+    unit is also the reduce bucket of stage 2. ``reshard`` (stage 3): how a
+    gathered block is dropped between its forward and backward, "release"
+    (free and re-gather) or "recompute" (see the module docstring).
     """
 
     name = "shard"
     level = 2
 
     def __init__(self, step: Callable, stage: Literal[1, 2, 3] = 3, group: Any = None,
-                 units: Sequence[str] | None = None) -> None:
+                 units: Sequence[str] | None = None,
+                 reshard: Literal["release", "recompute"] = "release") -> None:
         if stage not in (1, 2, 3):
             raise ValueError(f"shard: stage must be 1, 2 or 3, got {stage!r}")
+        if reshard not in ("release", "recompute"):
+            raise ValueError(f"shard: reshard must be 'release' or 'recompute', got {reshard!r}")
         super().__init__(step)
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
+        self.reshard = reshard
         self._call: _Call | None = None
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": self.stage}
         if self.units is not None:
             out["units"] = self.units
+        if self.reshard != "release":
+            out["reshard"] = self.reshard
         return out
 
     # -- layout --------------------------------------------------------------
@@ -249,6 +269,21 @@ class shard(Transform):  # noqa: N801
                 flat = unit.cat_shard({k: params[k] for k in unit.keys}, group.rank).detach()
                 call.prefetched[(phase, unit.name)] = dist.Prefetch(flat, group, call.counter)
 
+        # Release needs plain autograd; under torch.func or torch.compile, recompute.
+        release = self.reshard == "release" and not under_torch_func_or_compile()
+
+        def gather(unit: UnitLayout, flat_shard: torch.Tensor, phase: str) -> torch.Tensor:
+            ready = call.prefetched.pop((phase, unit.name), None)
+            full = dist.AllGather.apply(flat_shard, group, call.counter, ready)
+            i = position[unit.name]
+            if phase == "forward":
+                prefetch("forward", i + 1)
+                if i == len(blocks) - 1 and not release:
+                    prefetch("backward", i)  # the recompute of backward starts with the last block
+            else:
+                prefetch("backward", i - 1)
+            return full
+
         def materialize(unit: UnitLayout, slices: dict) -> dict:
             flat_shard = unit.cat_shard(slices, group.rank)
             if full_flats is not None:
@@ -258,18 +293,24 @@ class shard(Transform):  # noqa: N801
                 full = dist.AllGather.apply(flat_shard, group, call.counter)
                 prefetch("forward", 0)
                 return unit.full_views(full)
-            # The forward of a recomputed block runs without grad; its backward rerun with it.
-            phase = "backward" if torch.is_grad_enabled() else "forward"
-            ready = call.prefetched.pop((phase, unit.name), None)
-            full = dist.AllGather.apply(flat_shard, group, call.counter, ready)
+            # A recomputed block's forward runs without grad; its rerun in backward with it.
+            return unit.full_views(gather(unit, flat_shard, "backward" if torch.is_grad_enabled() else "forward"))
+
+        def released_body(unit: UnitLayout, local: dict, body, slices: dict, args, kwargs):
+            flat_shard = unit.cat_shard(slices, group.rank)
+            full = gather(unit, flat_shard, "forward")
+            buffer = ReleasedBuffer(full, flat_shard, group, call.counter)
+            call.released[unit.name] = buffer
             i = position[unit.name]
-            if phase == "forward":
-                prefetch("forward", i + 1)
-                if i == len(blocks) - 1:
-                    prefetch("backward", i)  # backward starts with the last block
-            else:
-                prefetch("backward", i - 1)
-            return unit.full_views(full)
+
+            def refill_previous_block():  # prefetch: backward goes through the blocks in reverse
+                previous = call.released.get(blocks[i - 1].name) if i > 0 else None
+                if previous is not None:
+                    previous.refill(asynchronous=True)
+
+            views = unit.full_views(full)
+            return around_block(buffer, body, {n: views[k] for n, k in local.items()}, args, kwargs,
+                                refill_previous_block)
 
         new_params = dict(params)
         for unit in layout.units:
@@ -281,12 +322,17 @@ class shard(Transform):  # noqa: N801
             def wrapper(name, body, unit=unit, local=local):
                 def gathered_body(block_params, *args, **kwargs):
                     slices = {local[n]: t for n, t in block_params.items()}
+                    # Inside a recompute (checkpoint's, or a torch.func rerun) the block
+                    # keeps nothing between its forward and backward: gather plainly.
+                    if release and full_flats is None and torch.is_grad_enabled() \
+                            and not under_torch_func_or_compile():
+                        return released_body(unit, local, body, slices, args, kwargs)
                     full = materialize(unit, slices)
                     return body({n: full[k] for n, k in local.items()}, *args, **kwargs)
                 return gathered_body
 
             model_call.wrap_block(unit.name, wrapper, kind="materialize")
-            if self.stage == 3:
+            if self.stage == 3 and not release:
                 model_call.require_recompute(unit.name)
         model_call.params = new_params
         return next(model_call)
