@@ -454,3 +454,20 @@ def test_under_shard_all_ranks_skip_together():
         assert skipped == [False, True, False] and steps == 2 and scale == 128.0
     for k, v in results[0][3].items():
         assert (v == results[1][3][k]).all() and v.dtype == "float32", k
+
+
+def test_unscale_and_check_matches_division_and_isfinite():
+    import importlib
+
+    unscale_and_check_ = importlib.import_module("zfunc.transforms.mixed_precision").unscale_and_check_
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 3), torch.randn(5), torch.zeros(0), torch.randn(4).half().float()]
+    scale = torch.tensor(1024.0)
+    expected = [g / scale for g in grads]
+    found = unscale_and_check_(grads, scale)
+    assert float(found) == 0.0
+    for got, want in zip(grads, expected):
+        assert torch.equal(got, want)  # power-of-two scale: multiplying by 1/scale is exact
+    bad = [torch.tensor([1.0, float("nan")]), torch.tensor([2.0])]
+    assert float(unscale_and_check_(bad, scale)) == 1.0
+    assert float(unscale_and_check_([torch.tensor([float("inf")])], scale)) == 1.0

@@ -410,12 +410,10 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         info = self._active()
         scale = mp.loss_scale
         # Unscale into fresh master-dtype tensors (never in place into the caller's grads).
-        grads = {k: g.to(master_dtype, copy=True).div_(scale) for k, g in grads.items()}
-        bad = torch.zeros((), dtype=torch.int64, device=scale.device)
-        for g in grads.values():
-            bad = bad + torch.count_nonzero(~torch.isfinite(g)).to(bad.device)
-        bad = psum(bad)  # all ranks see the same count under shard, so they skip together
-        overflow = bad > 0
+        grads = {k: g.to(master_dtype, copy=True) for k, g in grads.items()}
+        found = unscale_and_check_(list(grads.values()), scale)
+        found = psum(found)  # all ranks see the same flag sum under shard, so they skip together
+        overflow = found > 0
         new_mp, at_min = self._update_scale(mp, overflow)
         info.skipped = overflow
         if bool(overflow):  # the one host sync of an fp16 step
@@ -462,6 +460,26 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
         return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps), at_min
+
+
+def unscale_and_check_(grads: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+    """``g ← g / scale`` in place for every gradient; returns 1.0 if any element is inf/NaN, else 0.0.
+
+    One multi-tensor pass per device and dtype (torch's fused
+    ``_amp_foreach_non_finite_check_and_unscale_``, what GradScaler runs)
+    instead of a division and a count per tensor.
+    """
+    found = torch.zeros((), dtype=torch.float32, device=scale.device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            groups.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), group in groups.items():
+        found_here = torch.zeros(1, dtype=torch.float32, device=device)
+        inverse = (1.0 / scale.to(device=device, dtype=torch.float32)).reshape(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, inverse)
+        found = torch.maximum(found, found_here.to(found.device).reshape(()))
+    return found
 
 
 def plain_compute_copy(master: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
