@@ -98,9 +98,16 @@ def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
     total = torch.zeros((), dtype=torch.float32, device=leaves[0].device)
+    # One multi-tensor norm per (device, dtype) group (as clip_grad_norm_ does),
+    # not a square-and-sum per tensor: a few launches for thousands of shards.
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for x in leaves:
         if x.numel():
-            total = total + x.float().square().sum()
+            exact = x.dtype in (torch.float32, torch.float64)  # low precision: norms in fp32
+            groups.setdefault((x.device, x.dtype if exact else torch.float32), []).append(x if exact else x.float())
+    for group in groups.values():
+        norms = torch._foreach_norm(group)
+        total = total + torch.stack([n.float() for n in norms]).square().sum().to(total.device)
     return total
 
 
