@@ -33,8 +33,8 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "medium": (1024, 24, 16, 8),
     "1.3b": (2048, 24, 16, 4),
 }
-ALL = ["zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s2-offload", "zfunc-s3-offload", "ddp", "fsdp2",
-       "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
+ALL = ["zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s2-offload", "zfunc-s3-offload",
+       "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
 
 
 def log(*a):
@@ -65,7 +65,7 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device):
+def run_zfunc(args, stage, use_offload, device, reshard="release"):
     import zfunc as zf
     from zfunc.interpret import Transform
     from zfunc.transforms import mixed_precision, offload, shard
@@ -111,7 +111,7 @@ def run_zfunc(args, stage, use_offload, device):
     step = mixed_precision(train_step, "bf16")
     if use_offload:
         step = offload(step)
-    step = phases(shard(step, stage=stage))
+    step = phases(shard(step, stage=stage, reshard=reshard))
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
@@ -294,7 +294,8 @@ def main():
             elif name == "fsdp2":
                 r = run_fsdp2(args, device)
             elif name.startswith("zfunc-s"):
-                r = run_zfunc(args, int(name[7]), name.endswith("offload"), device)
+                r = run_zfunc(args, int(name[7]), name.endswith("offload"), device,
+                              reshard="recompute" if name.endswith("recompute") else "release")
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:
