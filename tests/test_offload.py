@@ -111,3 +111,21 @@ def test_mixed_precision_compute_copy_comes_from_the_kernel():
     ref_state, _ = ref(ref.init(ref_state), make_batch(8))
     for k, p in ref_state.extras["mixed_precision"].master.items():
         torch.testing.assert_close(master[k], p, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_paths_cover_clipping_before_adam():
+    from zfunc.optim.fused import FusedAdam
+
+    assert FusedAdam.supports(OPTIMIZERS["clip+adamw"]())
+    assert FusedAdam.supports(OPTIMIZERS["adam+l2"]())
+    assert not FusedAdam.supports(OPTIMIZERS["sgd"]())
+    assert not FusedAdam.supports(OPTIMIZERS["lamb"]())
+    assert not FusedAdam.supports(zf.optim.chain(zf.optim.adamw(1e-3), zf.optim.clip_by_global_norm(1.0)))
+    # the clipped update through the kernel keeps the chain's state layout
+    step, state = build()
+    tx = OPTIMIZERS["clip+adamw"]()
+    state = state.replace(opt_state=tx.init(state.params), tx=tx)
+    off = offload(step)
+    new, _ = off(off.init(state), make_batch(8))
+    assert zf.tree.tree_structure(new.opt_state) == zf.tree.tree_structure(state.opt_state)
+    assert int(new.opt_state[1][0].count) == 1

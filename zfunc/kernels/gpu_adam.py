@@ -22,8 +22,13 @@ import torch
 
 def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
           exp_avg_sqs: list[torch.Tensor], *, lr: torch.Tensor, step: torch.Tensor, beta1: float,
-          beta2: float, eps: float, weight_decay: float, mode: str = "adamw") -> None:
-    """In-place fused update of fp32 CUDA tensors (all lists the same length and shapes)."""
+          beta2: float, eps: float, weight_decay: float, mode: str = "adamw",
+          grad_scale: torch.Tensor | None = None) -> None:
+    """In-place fused update of fp32 CUDA tensors (all lists the same length and shapes).
+
+    ``grad_scale``: gradients are divided by it first (a loss scale, or a
+    gradient-clipping divisor), inside the same kernel.
+    """
     if mode not in ("adam", "adamw"):
         raise ValueError(f"mode must be 'adam' or 'adamw', got {mode!r}")
     if not params:
@@ -34,5 +39,7 @@ def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[
     device = params[0].device
     steps = [step.to(device=device, dtype=torch.float32)] * len(params)
     kernel = torch._fused_adamw_ if mode == "adamw" else torch._fused_adam_
+    scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32).reshape(())
     kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr.to(device=device, dtype=torch.float32),
-           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+           grad_scale=scale)

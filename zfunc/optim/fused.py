@@ -39,11 +39,31 @@ class FusedAdam(NamedTuple):
     nu: dict[str, torch.Tensor]
     opt_state: Any
     name: str
+    clip: float | None = None  # chain(clip_by_global_norm(clip), adam/adamw)
+
+    @staticmethod
+    def supports(tx) -> bool:
+        """Whether `of` can view ``tx``: adam/adamw, optionally after clip_by_global_norm."""
+        hp = getattr(tx, "hyperparams", None)
+        if hp is not None and hp.get("name") == "chain" and len(hp["transforms"]) == 2:
+            first, second = hp["transforms"]
+            first_hp, second_hp = first.hyperparams or {}, second.hyperparams or {}
+            return first_hp.get("name") == "clip_by_global_norm" and second_hp.get("name") in FUSABLE
+        return hp is not None and hp.get("name") in FUSABLE
 
     @classmethod
     def of(cls, tx, opt_state, params: dict) -> "FusedAdam | None":
-        """The fused view of ``(tx, opt_state)``, or None if ``tx`` is not plain adam/adamw."""
+        """The fused view of ``(tx, opt_state)``, or None if ``tx`` is not adam/adamw,
+        optionally after ``clip_by_global_norm`` (``chain(clip_by_global_norm(c), adamw(...))``)."""
         hp = getattr(tx, "hyperparams", None)
+        if hp is not None and hp.get("name") == "chain" and len(hp["transforms"]) == 2:
+            first, second = hp["transforms"]
+            first_hp = first.hyperparams or {}
+            if first_hp.get("name") == "clip_by_global_norm":
+                inner = cls.of(second, opt_state[1], params)
+                if inner is not None and inner.clip is None:
+                    return inner._replace(opt_state=opt_state, clip=float(first_hp["max_norm"]))
+            return None
         if hp is None or hp.get("name") not in FUSABLE:
             return None
         if hp["name"] == "adam":
@@ -55,12 +75,29 @@ class FusedAdam(NamedTuple):
         return cls(hp["mode"], hp["schedule"](lr_state.count), adam_state.count + 1, hp["b1"], hp["b2"],
                    hp["eps"], wd, adam_state.mu, adam_state.nu, opt_state, hp["name"])
 
+    def grad_divisor(self, grads: dict) -> torch.Tensor | None:
+        """What to divide the gradients by for the clip (None without one).
+
+        ``clip_by_global_norm``: ``g ← g · min(1, c / (‖g‖ + 1e-6))`` with the
+        norm over all shards (`zfunc.tree.global_norm`), i.e. a division by
+        ``max(1, (‖g‖ + 1e-6) / c)``, which the fused kernels take as their
+        gradient scale.
+        """
+        if self.clip is None:
+            return None
+        from zfunc.tree import global_norm  # noqa: PLC0415
+
+        factor = (self.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+        return 1.0 / factor
+
     def new_state(self):
         """The optimizer state after this update (moments as updated in place)."""
+        state = self.opt_state[1] if self.clip is not None else self.opt_state
         if self.name == "adam":
-            empty, adam_state, lr_state = self.opt_state
+            empty, adam_state, lr_state = state
         else:
-            adam_state, lr_state = self.opt_state
+            adam_state, lr_state = state
         adam_state = type(adam_state)(self.step, self.mu, self.nu)
         lr_state = type(lr_state)(lr_state.count + 1, self.lr)
-        return (empty, adam_state, lr_state) if self.name == "adam" else (adam_state, lr_state)
+        new = (empty, adam_state, lr_state) if self.name == "adam" else (adam_state, lr_state)
+        return (self.opt_state[0], new) if self.clip is not None else new

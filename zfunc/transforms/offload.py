@@ -30,7 +30,7 @@ from typing import Any, Callable, Literal, NamedTuple
 import torch
 
 from zfunc.interpret import Transform
-from zfunc.optim.fused import FUSABLE, FusedAdam
+from zfunc.optim.fused import FusedAdam
 from zfunc.tree import tree_map_tensors
 
 
@@ -171,11 +171,13 @@ def kernel_update(tx, params: dict, grads: dict, opt_state, out_lowp: dict | Non
 
     fused = FusedAdam.of(tx, opt_state, params)
     lr, step = float(fused.lr), int(fused.step)
+    divisor = fused.grad_divisor(grads)
+    grad_scale = 1.0 if divisor is None else float(divisor)
     for key, p in params.items():
         if p.numel():
             adamw_(p, grads[key], fused.mu[key], fused.nu[key], lr=lr, beta1=fused.b1, beta2=fused.b2,
                    eps=fused.eps, weight_decay=fused.weight_decay[key], step=step, mode=fused.mode,
-                   out_lowp=None if out_lowp is None else out_lowp[key])
+                   grad_scale=grad_scale, out_lowp=None if out_lowp is None else out_lowp[key])
     return params, fused.new_state()
 
 
@@ -209,8 +211,7 @@ def lowp_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
 
 
 def _kernel_applies(tx, params: dict, grads: dict) -> bool:
-    hp = getattr(tx, "hyperparams", None)
-    if hp is None or hp.get("name") not in FUSABLE:
+    if not FusedAdam.supports(tx):
         return False
     for key, p in params.items():
         g = grads[key]
@@ -322,3 +323,4 @@ def _same_layout_span(fresh: dict, keys: list[str], dest: dict, start: int) -> t
                 or f.storage_offset() - base != d.storage_offset() - start):
             return None
     return first
+

@@ -347,11 +347,12 @@ class shard(Transform):  # noqa: N801
 
         grads = {k: g.float() for k, g in grads.items()}  # mixed precision hands bf16/fp16 grads on
 
+        divisor = fused.grad_divisor(grads)  # clip_by_global_norm, if chained before the Adam
         for wd in sorted(set(fused.weight_decay.values())):
             keys = [k for k, p in params.items() if fused.weight_decay[k] == wd and p.numel()]
             adam_([params[k] for k in keys], [grads[k] for k in keys], [fused.mu[k] for k in keys],
                   [fused.nu[k] for k in keys], lr=fused.lr, step=fused.step, beta1=fused.b1, beta2=fused.b2,
-                  eps=fused.eps, weight_decay=wd, mode=fused.mode)
+                  eps=fused.eps, weight_decay=wd, mode=fused.mode, grad_scale=divisor)
         return params, fused.new_state()
 
     def apply_gradients(self, next, state, grads):
