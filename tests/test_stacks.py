@@ -89,3 +89,42 @@ def test_offload_under_shard_keeps_master_and_moments_on_host_shards():
     master = state.extras["mixed_precision"].master
     assert all(t.dtype == torch.float32 and t.dim() == 1 for t in master.values())
     assert all(t.dtype == torch.bfloat16 and t.dim() == 1 for t in state.params.values())
+
+
+def reduce_in_fp32():
+    import zfunc.dist as zdist
+    from zfunc.transforms import Policy
+
+    rank, world = rank_and_world()
+    seen = []
+    original = zdist._reduce_scatter_into
+
+    def spy(out, inp, *args, **kwargs):
+        seen.append(inp.dtype)
+        return original(out, inp, *args, **kwargs)
+
+    zdist._reduce_scatter_into = spy
+    try:
+        out = {}
+        for stage in (1, 2, 3):
+            step, state = build(0.0)
+            policy = Policy("fp32", "bf16", "fp32", "fp32")
+            stacked = shard(mixed_precision(step, policy), stage=stage)
+            state = stacked.init(state)
+            for i in range(STEPS):
+                batch = {k: v.chunk(world)[rank] for k, v in make_batch(8, seed=i).items()}
+                state, _ = stacked(state, batch)
+            out[stage] = to_numpy(stacked.gather(state))
+    finally:
+        zdist._reduce_scatter_into = original
+    return out, sorted({str(d) for d in seen})
+
+
+def test_gradients_are_reduced_in_the_policys_reduce_dtype():
+    ref, _ = run(lambda s: s, "bf16", dropout=0.0)
+    for per_stage, dtypes in run_distributed(reduce_in_fp32, 2):
+        assert dtypes == ["torch.float32"]  # bf16 gradients, reduced in fp32
+        for stage, params in per_stage.items():
+            for key in ref:
+                err = np.abs(params[key] - ref[key]).max() / (np.abs(ref[key]).max() + 1e-12)
+                assert err < 5e-2, (stage, key, err)

@@ -63,6 +63,7 @@ class CommCounter:
     all_reduce: int = 0
     pending: list = dataclasses.field(default_factory=list)
     overlap: bool = True
+    reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype (None: their own)
 
     def wait_pending(self) -> None:
         """Block (the host on gloo, the current stream on NCCL) until every pending collective is done."""
@@ -96,19 +97,26 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
     """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable)."""
     if group.size == 1:
         return full.clone()
-    placed = group.place(full).contiguous()
+    reduce_dtype = counter.reduce_dtype if counter is not None else None
+    send = full if reduce_dtype in (None, full.dtype) else full.to(reduce_dtype)  # e.g. bf16 grads in fp32
+    placed = group.place(send).contiguous()
     out = placed.new_empty(full.numel() // group.size)
     if counter is not None:
         counter.reduce_scatter += full.numel()
     if counter is not None and counter.overlap and out.device == full.device:
-        # Asynchronous: the caller gets ``out`` now and must not read it
+        # Asynchronous: the caller gets the result now and must not read it
         # before counter.wait_pending() (shard does so when backward ends).
         work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
-        counter.pending.append((work, lambda: None))
+        if out.dtype == full.dtype:
+            counter.pending.append((work, lambda: None))
+            _wait_when_backward_ends(counter)
+            return out
+        result = full.new_empty(out.numel())
+        counter.pending.append((work, lambda: result.copy_(out)))  # back to the gradient's dtype once landed
         _wait_when_backward_ends(counter)
-        return out
+        return result
     _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
-    return out.to(full.device)
+    return out.to(device=full.device, dtype=full.dtype)
 
 
 def _wait_when_backward_ends(counter: CommCounter) -> None:

@@ -190,6 +190,9 @@ class shard(Transform):  # noqa: N801
     def run(self, state, batch):
         layout, group = self._check_layout(state)
         outer, self._call = self._call, _Call(layout, group)
+        policy = _mixed_precision_policy(self.step)
+        if policy is not None:  # reduce gradients in the policy's reduce dtype (default: compute dtype)
+            self._call.counter.reduce_dtype = policy.reduce
         try:
             new_state, metrics = self.step(state, batch)
             self._call.drop_prefetched()
@@ -399,3 +402,9 @@ def _check_ties(model_call, unit_of: dict[str, UnitLayout]) -> None:
             raise NotImplementedError(
                 f"shard: {name!r} is tied to {key!r}, which lives in block {unit.name!r}; weights tied across "
                 "blocks are not supported in a block unit. Pass units= without that block.")
+
+
+def _mixed_precision_policy(step: Callable):
+    from zfunc.transforms.mixed_precision import policy_of  # noqa: PLC0415 (sibling transform)
+
+    return policy_of(step)
