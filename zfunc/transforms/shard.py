@@ -41,7 +41,14 @@ How it falls out of the primitives:
   per-unit buffers); the results are written back into those buffers and,
   in stages 1 and 2, the updated shards are all-gathered into the full
   parameters in place.
+- ``update_params``: on CUDA, Adam/AdamW (optionally after
+  clip_by_global_norm) over all of this rank's shards in a few multi-tensor
+  fused launches; elsewhere the next handler (offload's kernel, or the pure
+  pytree update).
 - ``psum``: an all-reduce, so norms and overflow checks are global.
+
+Gradient reductions are asynchronous (waited when backward ends) and run in
+the ``reduce_dtype`` of an inner `mixed_precision` policy.
 
 Metrics gain ``comm_elements`` (elements this rank moved in collectives this
 step), used by the tests that check the ZeRO volumes.
@@ -54,8 +61,8 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from zfunc import dist
-from zfunc.interpret import Transform
 from zfunc.autodiff import under_torch_func_or_compile
+from zfunc.interpret import Transform
 from zfunc.optim.fused import FusedAdam
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
 from zfunc.transforms.shard_layout import (
