@@ -127,8 +127,8 @@ def test_value_and_grad_under_vmap_per_example_grads():
 
 def test_repeated_blocks():
     assert zf.functional(TinyLM())[0] is not None
-    from zfunc.functional import repeated_blocks, select_blocks
     from tests.models import Block
+    from zfunc.functional import repeated_blocks, select_blocks
     model = TinyLM(depth=4)
     assert repeated_blocks(model) == [f"blocks.{i}" for i in range(4)]
     assert select_blocks(model, Block) == [f"blocks.{i}" for i in range(4)]

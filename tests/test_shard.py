@@ -2,11 +2,17 @@
 
 import numpy as np
 import pytest
-import torch
 
 import zfunc as zf
-from tests.shard_cases import (STEPS, build, local_batch, rank_and_world, reference_params, state_bytes,
-                               to_numpy)
+from tests.shard_cases import (
+    STEPS,
+    build,
+    local_batch,
+    rank_and_world,
+    reference_params,
+    state_bytes,
+    to_numpy,
+)
 from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, offload, shard
 

@@ -21,7 +21,6 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-
 # torch 2.13 renamed the flat collectives (the old names warn); 2.11 has only the old ones.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

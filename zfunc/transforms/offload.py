@@ -34,7 +34,6 @@ from zfunc.optim.fused import FusedAdam
 from zfunc.tree import tree_map_tensors
 
 
-
 class OffloadState(NamedTuple):
     """Offload's own state: the host fp32 master (only when params are not on the CPU)."""
 

@@ -66,7 +66,12 @@ from zfunc.interpret import Transform
 from zfunc.optim.fused import FusedAdam
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
 from zfunc.transforms.shard_layout import (
-    ROOT, ShardLayout, UnitLayout, make_layout, map_param_shaped, zip_param_shaped,
+    ROOT,
+    ShardLayout,
+    UnitLayout,
+    make_layout,
+    map_param_shaped,
+    zip_param_shaped,
 )
 
 
