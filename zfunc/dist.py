@@ -17,6 +17,7 @@ with a mean loss.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,27 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
         return result
     _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
     return out.to(device=full.device, dtype=full.dtype)
+
+
+def all_gather_json(obj, group: Group) -> list:
+    """Every rank's ``obj`` (anything `json` can encode), in rank order.
+
+    Sent as JSON bytes in a uint8 tensor, never pickled: what crosses ranks
+    is data (steps, file lists, error messages), and no rank should run code
+    another one sent. Tuples come back as lists, on every world size alike.
+    """
+    encoded = json.dumps(obj).encode()
+    if group.size == 1:
+        return [json.loads(encoded)]
+    size = torch.tensor([len(encoded)], dtype=torch.int64, device=group.device)
+    sizes = all_gather_flat(size, group).cpu()
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    if encoded:
+        padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    gathered = all_gather_flat(padded.to(group.device), group).cpu()
+    return [json.loads(bytes(gathered[r * longest:r * longest + int(sizes[r])].tolist()))
+            for r in range(group.size)]
 
 
 def _wait_when_backward_ends(counter: CommCounter) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as tdist
 
 import zfunc
 from zfunc import dist
@@ -55,12 +54,8 @@ def rank_file(rank: int, part: int = 0) -> str:
 
 
 def all_gather(obj: Any, group: dist.Group) -> list[Any]:
-    """``obj`` of every rank of ``group`` (just ``[obj]`` in a world of one)."""
-    if group.size == 1:
-        return [obj]
-    out: list[Any] = [None] * group.size
-    tdist.all_gather_object(out, obj, group=group.handle)
-    return out
+    """``obj`` (JSON-able) of every rank of ``group``: through `zfunc.dist`, as JSON, never pickled."""
+    return dist.all_gather_json(obj, group)
 
 
 def raise_if_failed(what: str, errors: list[Any], rank: int) -> None:
