@@ -135,3 +135,23 @@ def test_repeated_blocks():
     assert select_blocks(model, lambda n: n == "blocks.1") == ["blocks.1"]
     with pytest.raises(AttributeError):
         select_blocks(model, ["blocks.9"])
+
+
+def test_block_hooks_run_once_per_forward_under_block_transforms():
+    from tests.models import TinyLM, lm_loss, make_batch
+    from zfunc.transforms import checkpoint
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    calls = []
+    model.blocks[1].register_forward_hook(lambda m, i, o: calls.append(1))
+    apply_fn, params = zf.functional(model)
+
+    def step(state, batch):
+        loss, grads = zf.value_and_grad(lm_loss(apply_fn))(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    stepped = checkpoint(step)
+    state = stepped.init(zf.TrainState.create(params, zf.optim.sgd(0.1)))
+    stepped(state, make_batch(8))
+    assert len(calls) == 1  # not again inside the wrapper, nor in the backward recompute

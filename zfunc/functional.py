@@ -206,8 +206,19 @@ def run_model_call(call: ModelCall) -> Any:
 
 
 def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict) -> Any:
-    """The innermost body: the block's own forward with its params swapped in."""
-    return torch.func.functional_call(block, block_params, args, kwargs, strict=False)
+    """The innermost body: the block's own ``forward`` with its params swapped in.
+
+    ``forward`` itself, not ``block(...)``: the parent's call of the block
+    already ran the block's hooks once (and a recompute in backward should
+    not run them again). ``_reparametrize_module`` is what
+    `torch.func.functional_call` uses inside; it is private, so if a torch
+    lacks it we fall back to functional_call (hooks then run twice).
+    """
+    reparametrize = getattr(torch.nn.utils.stateless, "_reparametrize_module", None)
+    if reparametrize is None:
+        return torch.func.functional_call(block, block_params, args, kwargs, strict=False)
+    with reparametrize(block, block_params, tie_weights=True, strict=False):
+        return type(block).forward(block, *args, **kwargs)
 
 
 def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
