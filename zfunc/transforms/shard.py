@@ -164,7 +164,7 @@ class shard(Transform):  # noqa: N801
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
         layout, group = self._check_layout(state)
-        shards = next(state.replace(params=self._param_shards(state, layout)))
+        shards = next(state.replace(params=self._param_shards(state.params, layout)))
         full = {}
         for unit in layout.units:
             flat = dist.all_gather_flat(unit.cat_shard(shards, group.rank).detach(), group)
@@ -185,17 +185,27 @@ class shard(Transform):  # noqa: N801
             raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
         return layout, group
 
-    def _param_shards(self, state, layout: ShardLayout) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _full_flats(params: dict, layout: ShardLayout) -> dict[str, torch.Tensor]:
+        """Stages 1/2: the flat buffer each unit's full parameters are views of."""
+        flats = {}
+        for unit in layout.units:
+            flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
+            if flat is None:
+                raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced?); "
+                                   "use the state that step.init or the step returned")
+            flats[unit.name] = flat
+        return flats
+
+    def _param_shards(self, params: dict, layout: ShardLayout,
+                      flats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This rank's 1-D slices of the parameters (views, no copy)."""
         if layout.stage == 3:
-            return dict(state.params)
+            return dict(params)
+        flats = self._full_flats(params, layout) if flats is None else flats
         shards = {}
         for unit in layout.units:
-            flat = unit.flat_of({k: state.params[k] for k in unit.keys}, unit.padded)
-            if flat is None:
-                flat = unit.pack_full(state.params)
-            region = flat[layout.rank * unit.shard_size:(layout.rank + 1) * unit.shard_size]
-            shards.update(unit.shard_views(region, layout.rank))
+            shards.update(unit.shard_views(unit.rank_region(flats[unit.name], layout.rank), layout.rank))
         return shards
 
     # -- the step ------------------------------------------------------------
@@ -233,12 +243,8 @@ class shard(Transform):  # noqa: N801
                 sharded.update(unit.shard_views(dist.reduce_scatter_flat(flat, group, call.counter), group.rank))
             call.counter.wait_pending()
             return value, sharded
-        full_flats = None
-        if self.stage == 2:
-            full_flats = {u.name: u.flat_of({k: params[k] for k in u.keys}, u.padded) for u in layout.units}
-            shards = self._param_shards_from(params, layout)
-        else:
-            shards = dict(params)
+        full_flats = self._full_flats(params, layout) if self.stage == 2 else None
+        shards = self._param_shards(params, layout, full_flats)
         before = call.sharded_applies
 
         def loss_on_shards(shard_params, *a, **kw):
@@ -251,16 +257,6 @@ class shard(Transform):  # noqa: N801
                 "shard: the loss function did not run the model on the params it was given; under shard, pass "
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
         return value, grads
-
-    def _param_shards_from(self, params, layout):
-        shards = {}
-        for unit in layout.units:
-            flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
-            if flat is None:
-                raise RuntimeError("shard: state.params are not in shard's flat layout; use the state the step returned")
-            region = flat[layout.rank * unit.shard_size:(layout.rank + 1) * unit.shard_size]
-            shards.update(unit.shard_views(region, layout.rank))
-        return shards
 
     def apply(self, next, model_call):
         params = model_call.params
@@ -376,7 +372,8 @@ class shard(Transform):  # noqa: N801
         keys = set(layout.keys)
         if set(grads) != keys:
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
-        shards = self._param_shards(state, layout)
+        flats = self._full_flats(state.params, layout) if self.stage != 3 else None
+        shards = self._param_shards(state.params, layout, flats)
         new = next(state.replace(params=shards), grads)
 
         def write_back(old: dict, fresh: dict) -> dict:
@@ -390,9 +387,8 @@ class shard(Transform):  # noqa: N801
         extras = zip_param_shaped(state.extras, new.extras, keys, write_back)
         if self.stage != 3:
             for unit in layout.units:
-                flat = unit.flat_of({k: state.params[k] for k in unit.keys}, unit.padded)
-                region = flat[group.rank * unit.shard_size:(group.rank + 1) * unit.shard_size]
-                dist.all_gather_flat(region.clone(), group, call.counter, out=flat)
+                flat = flats[unit.name]
+                dist.all_gather_flat(unit.rank_region(flat, group.rank).clone(), group, call.counter, out=flat)
         return state.replace(step=new.step, opt_state=opt_state, extras={**extras, "shard": layout})
 
 
@@ -401,8 +397,7 @@ def _partition(tree: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, 
     out = {}
     for unit in layout.units:
         full = unit.pack_full(tree)
-        lo = layout.rank * unit.shard_size
-        out.update(unit.shard_views(full[lo:lo + unit.shard_size].clone(), layout.rank))
+        out.update(unit.shard_views(unit.rank_region(full, layout.rank).clone(), layout.rank))
     return out
 
 

@@ -74,6 +74,10 @@ class UnitLayout:
         return self.offsets[index] + a - rank * self.shard_size if b > a else 0
 
     # -- building and viewing flat buffers ------------------------------
+    def rank_region(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s slice ``[rank·S, (rank+1)·S)`` of a padded flat buffer (a view)."""
+        return flat[rank * self.shard_size:(rank + 1) * self.shard_size]
+
     def shard_views(self, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
         """Per-key 1-D views of ``rank``'s flat shard."""
         out = {}
