@@ -69,15 +69,7 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
     side: dict = {}
 
     def loss_of(p):
-        out = fn(p, *args, **kwargs)
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("with has_aux=True the function must return (loss, aux), "
-                                f"got {type(out).__name__}")
-            loss, aux = out
-        else:
-            loss, aux = out, ()
-        check_scalar_loss(loss)
+        loss, aux = split_loss(fn(p, *args, **kwargs), has_aux)
         # torch.func.vjp accepts only tensors as aux: hand it the tensor leaves
         # and keep the rest of aux aside.
         leaves, side["spec"] = tree_flatten(aux)
@@ -113,6 +105,18 @@ def under_torch_func_or_compile() -> bool:
         return True
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present since 2.0
     return peek is not None and peek() is not None
+
+
+def split_loss(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
+    """``(loss, aux)`` from what a loss function returned (aux ``()`` without has_aux), checked."""
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"with has_aux=True the function must return (loss, aux), got {type(out).__name__}")
+        loss, aux = out
+    else:
+        loss, aux = out, ()
+    check_scalar_loss(loss)
+    return loss, aux
 
 
 def check_scalar_loss(loss: Any) -> None:

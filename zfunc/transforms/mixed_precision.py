@@ -84,7 +84,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import nn
 
-from zfunc.autodiff import check_scalar_loss
+from zfunc.autodiff import split_loss
 from zfunc.interpret import Transform, dispatch, psum
 from zfunc.tree import tree_map_tensors
 
@@ -322,15 +322,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         scale = self._active().scale
 
         def scaled_loss(p, *a, **kw):
-            out = fn(p, *a, **kw)
-            if has_aux:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError("with has_aux=True the function must return (loss, aux), "
-                                    f"got {type(out).__name__}")
-                loss, aux = out
-            else:
-                loss, aux = out, None
-            check_scalar_loss(loss)
+            loss, aux = split_loss(fn(p, *a, **kw), has_aux)
             # The product is taken in fp32 (a 0-d fp16 loss times 2**16 would overflow fp16 itself).
             return loss * scale, (loss.detach(), aux)
 
