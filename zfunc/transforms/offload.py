@@ -60,6 +60,9 @@ class offload(Transform):  # noqa: N801
             raise ValueError(f"offload: threads must be a positive int or None, got {threads!r}")
         super().__init__(step)
         self.optimizer, self.threads = optimizer, threads
+        # Scratch of one update (see _apply_on_host); empty between calls.
+        self._lowp_targets: dict[str, torch.Tensor] | None = None
+        self._lowp_written: dict[int, torch.Tensor] = {}
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"optimizer": self.optimizer} if self.optimizer != "cpu" else {}
@@ -119,7 +122,6 @@ class offload(Transform):  # noqa: N801
         # copy (the parameters themselves when they live on the host), and the
         # copies it wrote, handed to mixed_precision through ``compute_copy``.
         self._lowp_targets = device_params if _on_cpu(device_params) else None
-        self._lowp_written: dict[int, torch.Tensor] = {}
         try:
             new = next(inner, host_grads)
         finally:
@@ -137,14 +139,13 @@ class offload(Transform):  # noqa: N801
         lowp = self._compute_dtype()
         outs = None
         if lowp is not None and all(p.dtype != lowp for p in params.values()):
-            outs = lowp_outputs(params, lowp, getattr(self, "_lowp_targets", None))
+            outs = lowp_outputs(params, lowp, self._lowp_targets)
             self._lowp_written = {id(params[k]): out for k, out in outs.items()}
         return kernel_update(tx, params, grads, opt_state, outs)
 
     def compute_copy(self, next, master, dtype):
         """The compute copy the kernel wrote while updating ``master``, if it did; else cast."""
-        written = getattr(self, "_lowp_written", None) or {}
-        copies = {k: written.get(id(t)) for k, t in master.items()}
+        copies = {k: self._lowp_written.get(id(t)) for k, t in master.items()}
         if all(c is not None and c.dtype == dtype for c in copies.values()):
             return copies
         return next(master, dtype)
