@@ -152,18 +152,7 @@ def run_ddp(args, device):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = DDP(make_model(args).to(device), device_ids=[device.index])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-
-    def one(i):
-        tokens = batch(args, i, device)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return time_steps(args, one)
+    return time_eager(args, model, device, autocast=True)
 
 
 def run_fsdp2(args, device):
@@ -174,11 +163,17 @@ def run_fsdp2(args, device):
     for block in model.transformer.h:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    return time_eager(args, model, device, autocast=False)
+
+
+def time_eager(args, model, device, autocast: bool):
+    """An eager torch training loop (fused AdamW) over ``model``, timed like every contender."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
     def one(i):
         tokens = batch(args, i, device)
-        loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

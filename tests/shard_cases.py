@@ -15,6 +15,9 @@ STEPS = 3
 def optimizer(kind: str = "adamw"):
     if kind == "clip":
         return zf.optim.chain(zf.optim.clip_by_global_norm(0.05), zf.optim.adamw(1e-2, weight_decay=0.1))
+    if kind == "clip+schedule":  # the usual recipe: clip, then AdamW on a schedule
+        return zf.optim.chain(zf.optim.clip_by_global_norm(0.5),
+                              zf.optim.adamw(zf.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1))
     if kind == "sgd":
         return zf.optim.sgd(0.1, momentum=0.9, nesterov=True)
     return zf.optim.adamw(zf.optim.warmup_cosine(2e-2, 1, 10), weight_decay=0.1)

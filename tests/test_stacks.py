@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import zfunc as zf
-from tests.models import TinyLM, lm_loss, make_batch
+from tests import shard_cases
+from tests.models import make_batch
 from tests.shard_cases import rank_and_world, to_numpy
 from zfunc.testing import run_distributed
 from zfunc.transforms import checkpoint, mixed_precision, offload, shard
@@ -21,18 +21,7 @@ STEPS = 3
 
 
 def build(dropout: float = 0.1):
-    torch.manual_seed(0)
-    model = TinyLM(dropout=dropout)
-    apply_fn, params = zf.functional(model)
-    loss_fn = lm_loss(apply_fn)
-
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    opt = zf.optim.chain(zf.optim.clip_by_global_norm(0.5),
-                         zf.optim.adamw(zf.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1))
-    return train_step, zf.TrainState.create({k: v.clone() for k, v in params.items()}, opt)
+    return shard_cases.build("clip+schedule", dropout)
 
 
 def compute(step, precision):
