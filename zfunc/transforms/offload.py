@@ -200,10 +200,7 @@ def lowp_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
             p = params[keys[0]]
             outs[keys[0]] = torch.empty(p.shape, dtype=dtype, pin_memory=pin)
             continue
-        flat = torch.empty(length, dtype=dtype, pin_memory=pin)
-        for k in keys:
-            offset = params[k].storage_offset() - start
-            outs[k] = flat[offset:offset + params[k].numel()].view(params[k].shape)
+        outs.update(_host_span(params, keys, start, length, dtype)[1])
     for k, p in params.items():
         if k not in outs:  # empty shards
             outs[k] = torch.empty(p.shape, dtype=dtype)
@@ -270,6 +267,18 @@ def _flat(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return t.new_empty(0).set_(t.untyped_storage(), start, (length,))
 
 
+def _host_span(like: dict[str, torch.Tensor], keys: list[str], start: int, length: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A host buffer of ``length`` elements (pinned under CUDA) and, per key, the view of it
+    that sits where ``like[key]`` sits in its own buffer (whose span starts at ``start``)."""
+    flat = torch.empty(length, dtype=dtype, pin_memory=torch.cuda.is_available())
+    views = {}
+    for k in keys:
+        offset = like[k].storage_offset() - start
+        views[k] = flat[offset:offset + like[k].numel()].view(like[k].shape)
+    return flat, views
+
+
 def copy_grouped(tensors: dict[str, torch.Tensor], moves) -> dict[str, torch.Tensor]:
     """Host copies (pinned, non-blocking) of the tensors ``moves`` selects; others as they are."""
     out = {k: t for k, t in tensors.items() if not moves(t) or not t.numel()}
@@ -280,11 +289,9 @@ def copy_grouped(tensors: dict[str, torch.Tensor], moves) -> dict[str, torch.Ten
             out[keys[0]] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
             continue
         first = tensors[keys[0]]
-        host = torch.empty(length, dtype=first.dtype, pin_memory=pin)
+        host, views = _host_span(tensors, keys, start, length, first.dtype)
         host.copy_(_flat(first, start, length), non_blocking=pin)
-        for k in keys:
-            t = tensors[k]
-            out[k] = host[t.storage_offset() - start:t.storage_offset() - start + t.numel()].view(t.shape)
+        out.update(views)
     return out
 
 
@@ -303,10 +310,9 @@ def write_grouped(fresh: dict[str, torch.Tensor], dest: dict[str, torch.Tensor])
         if source is not None:  # already one pinned buffer laid out like the destination
             _flat(first, start, length).copy_(_flat(source, source.storage_offset(), length), non_blocking=pin)
             continue
-        staging = torch.empty(length, dtype=first.dtype, pin_memory=pin)
+        staging, views = _host_span(dest, keys, start, length, first.dtype)
         for k in keys:  # host-side copies (and casts) into one pinned buffer
-            offset = dest[k].storage_offset() - start
-            staging[offset:offset + dest[k].numel()].view(dest[k].shape).copy_(fresh[k])
+            views[k].copy_(fresh[k])
         _flat(first, start, length).copy_(staging, non_blocking=pin)
 
 
