@@ -93,27 +93,23 @@ def around_block(buffer: ReleasedBuffer, body, block_params: dict, args: tuple, 
     ``before_backward()`` runs as this block's backward starts (after its own
     refill): `shard` uses it to prefetch the refill of the block before.
     """
-    args, kwargs = _mark_inputs(buffer, args, kwargs)
-    out = body(block_params, *args, **kwargs)
-    leaves, spec = tree_flatten(out)
-    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if slots:
-        marked = _RefillBeforeBackward.apply(buffer, before_backward, *[leaves[i] for i in slots])
-        for i, t in zip(slots, marked):
-            leaves[i] = t
-    buffer.release()
-    return tree_unflatten(spec, leaves)
-
-
-def _mark_inputs(buffer: ReleasedBuffer, args: tuple, kwargs: dict):
-    leaves, spec = tree_flatten((args, kwargs))
-    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if slots:
+    (args, kwargs), marked = _through(lambda *t: _ReleaseAfterBackward.apply(buffer, *t), (args, kwargs))
+    if marked:  # release waits for the inputs' gradients too
         buffer.events_needed = 2
-        marked = _ReleaseAfterBackward.apply(buffer, *[leaves[i] for i in slots])
-        for i, t in zip(slots, marked):
+    out = body(block_params, *args, **kwargs)
+    out, _ = _through(lambda *t: _RefillBeforeBackward.apply(buffer, before_backward, *t), out)
+    buffer.release()
+    return out
+
+
+def _through(function, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that require grad replaced by ``function(*those)``; whether there were any."""
+    leaves, spec = tree_flatten(tree)
+    slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if slots:
+        for i, t in zip(slots, function(*[leaves[i] for i in slots])):
             leaves[i] = t
-    return tree_unflatten(spec, leaves)
+    return tree_unflatten(spec, leaves), bool(slots)
 
 
 class _RefillBeforeBackward(torch.autograd.Function):
