@@ -100,13 +100,13 @@ Other things workers inherit from the parent
 Python >= 3.12 emits a DeprecationWarning when forking a multi-threaded
 process (the parent has OpenMP worker threads); the hazards it warns about are
 the ones handled above. Linux only.
+
+This module is the parent's side; `worker.py` beside it is what runs in each
+forked rank.
 """
 
 from __future__ import annotations
 
-import ctypes
-import datetime
-import faulthandler
 import io
 import multiprocessing
 import os
@@ -114,7 +114,6 @@ import pickle
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -125,6 +124,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zfunc.testing import worker
+from zfunc.testing.worker import WorkerSpec, worker_main
 
 __all__ = [
     "DistributedError",
@@ -197,9 +199,9 @@ def run_distributed(
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     readers = [r for r, _ in pipes]
     try:
-        spec = _WorkerSpec(fn, args, kwargs, world_size, tmpdir, float(timeout), os.getpid(), pipes)
+        spec = WorkerSpec(fn, args, kwargs, world_size, tmpdir, float(timeout), os.getpid(), pipes)
         for rank in range(world_size):
-            p = ctx.Process(target=_worker_main, args=(spec, rank), name=f"zfunc-rank{rank}")
+            p = ctx.Process(target=worker_main, args=(spec, rank), name=f"zfunc-rank{rank}")
             p.start()
             procs.append(p)
         for _, w in pipes:
@@ -431,153 +433,14 @@ def _trim_stack_dump(text: str) -> str:
             skipping = False
         elif (
             not skipping
-            and f'File "{__file__}"' in line
-            and (" in _run_rank" in line or " in _worker_main" in line)
+            and f'File "{worker.__file__}"' in line
+            and (" in _run_rank" in line or " in worker_main" in line)
         ):
             skipping = True
             lines.append("  ... (harness and parent frames omitted)")
         if not skipping:
             lines.append(line)
     return "\n".join(lines).rstrip()
-
-
-# ----------------------------------------------------------------------------
-# worker side
-
-
-class _WorkerSpec:
-    """Everything a worker needs; inherited through fork, never pickled."""
-
-    def __init__(self, fn, args, kwargs, world_size, tmpdir, timeout, parent_pid, pipes):
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
-        self.world_size = world_size
-        self.tmpdir = tmpdir
-        self.timeout = timeout
-        self.parent_pid = parent_pid
-        self.pipes = pipes
-
-
-_stack_file = None  # kept open for faulthandler in the worker
-
-
-def _worker_main(spec: _WorkerSpec, rank: int) -> None:
-    # Runs in the forked child. Never returns: leaves through os._exit.
-    code = 1
-    conn = spec.pipes[rank][1]
-    try:
-        for i, (r, w) in enumerate(spec.pipes):
-            r.close()
-            if i != rank:
-                w.close()
-        error = _run_rank(spec, rank, conn)
-        if error is None:
-            code = 0
-        else:
-            conn.send_bytes(error)
-        conn.close()
-    except BaseException:  # reporting itself failed: say so on stderr
-        try:
-            traceback.print_exc()
-        except BaseException:
-            pass
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-        os._exit(code)
-
-
-def _error_payload(exc: BaseException, prefix: str = "") -> bytes:
-    t = time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next  # drop the harness's own frames from the top
-    text = prefix + "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        return pickle.dumps(("error", t, text, pickle.dumps(exc)))
-    except Exception:  # unpicklable exception object: keep the text only
-        return pickle.dumps(("error", t, text, None))
-
-
-def _setup_worker(spec: _WorkerSpec, rank: int) -> None:
-    global _stack_file
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(spec.parent_pid)
-    # Must come before the first torch op: see "OpenMP is not fork-safe" above.
-    torch.set_num_threads(1)
-    env = {
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(spec.world_size),
-        "LOCAL_WORLD_SIZE": str(spec.world_size),
-    }
-    if any(ifname == "lo" for _, ifname in socket.if_nameindex()):
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ.update(env)
-    numba = sys.modules.get("numba")
-    if numba is not None:
-        try:
-            numba.set_num_threads(1)
-        except Exception:
-            pass
-    _stack_file = open(os.path.join(spec.tmpdir, f"stacks-{rank}.txt"), "w")
-    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except Exception:
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl
-        os._exit(1)
-
-
-def _run_rank(spec: _WorkerSpec, rank: int, conn) -> bytes | None:
-    """Run fn on this rank; send the result; return an error payload or None."""
-    try:
-        _setup_worker(spec, rank)
-        store = dist.FileStore(os.path.join(spec.tmpdir, "store"), spec.world_size)
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=spec.world_size,
-            store=store,
-            # Longer than the harness's deadline, so that a hang is always
-            # reported by the parent (as a TimeoutError naming the stuck
-            # ranks), never first as a gloo timeout in the ranks waiting on it.
-            timeout=datetime.timedelta(seconds=2 * spec.timeout + 10),
-        )
-        # Every rank has finished connecting before any rank runs fn: a rank
-        # that fails at once in fn then cannot break a peer's connect phase
-        # (seen: "Gloo connectFullMesh failed ... Connection closed by peer").
-        dist.barrier()
-        result = spec.fn(*spec.args, **spec.kwargs)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-    except BaseException as e:
-        return _error_payload(e)
-    conn.send_bytes(pickle.dumps(("ok", buf.getvalue())))
-    try:
-        if dist.is_initialized():  # fn may have torn it down itself
-            # The barrier keeps a rank from closing its gloo sockets while a
-            # peer may still be finishing the last collective.
-            dist.barrier()
-            dist.destroy_process_group()
-    except BaseException as e:
-        return _error_payload(
-            e, "fn returned on this rank, but the final barrier / destroy_process_group failed:\n"
-        )
-    return None
 
 
 # ----------------------------------------------------------------------------
