@@ -299,13 +299,14 @@ class shard(Transform):  # noqa: N801
             flat_shard = unit.cat_shard(slices, group.rank)
             if full_flats is not None:
                 full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter)
-                return unit.full_views(full)
+                return unit.differentiable_views(full)
             if unit.name == ROOT:
                 full = dist.AllGather.apply(flat_shard, group, call.counter)
                 prefetch("forward", 0)
-                return unit.full_views(full)
+                return unit.differentiable_views(full)
             # A recomputed block's forward runs without grad; its rerun in backward with it.
-            return unit.full_views(gather(unit, flat_shard, "backward" if torch.is_grad_enabled() else "forward"))
+            full = gather(unit, flat_shard, "backward" if torch.is_grad_enabled() else "forward")
+            return unit.differentiable_views(full)
 
         def released_body(unit: UnitLayout, local: dict, body, slices: dict, args, kwargs):
             flat_shard = unit.cat_shard(slices, group.rank)
@@ -319,7 +320,7 @@ class shard(Transform):  # noqa: N801
                 if previous is not None:
                     previous.refill(asynchronous=True)
 
-            views = unit.full_views(full)
+            views = unit.differentiable_views(full)
             return around_block(buffer, body, {n: views[k] for n, k in local.items()}, args, kwargs,
                                 refill_previous_block)
 
