@@ -56,6 +56,12 @@ class CommCounter:
     Also holds the gradient reduce-scatters still in flight (``pending``):
     they are issued asynchronously while backward goes on, and their results
     are read only after `wait_pending`, so communication overlaps compute.
+
+    ``listeners`` are told of each tagged gradient reduction as soon as it is
+    issued, as ``listener(tag, result, wait)``: ``result`` holds its final
+    value once ``wait()`` returned (``wait`` blocks the host on gloo and the
+    calling thread's current stream on NCCL). `offload` starts moving and
+    updating a unit's gradients this way while backward goes on.
     """
 
     all_gather: int = 0
@@ -64,6 +70,12 @@ class CommCounter:
     pending: list = dataclasses.field(default_factory=list)
     overlap: bool = True
     reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype (None: their own)
+    listeners: list = dataclasses.field(default_factory=list)
+
+    def announce(self, tag, result: torch.Tensor, wait) -> None:
+        if tag is not None:
+            for listener in self.listeners:
+                listener(tag, result, wait)
 
     def wait_pending(self) -> None:
         """Block (the host on gloo, the current stream on NCCL) until every pending collective is done."""
@@ -93,10 +105,17 @@ def all_gather_flat(shard: torch.Tensor, group: Group, counter: CommCounter | No
     return out
 
 
-def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
-    """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable)."""
+def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter | None = None,
+                        tag=None) -> torch.Tensor:
+    """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable).
+
+    ``tag`` names the reduction for ``counter.listeners`` (shard: the unit).
+    """
     if group.size == 1:
-        return full.clone()
+        out = full.clone()
+        if counter is not None:
+            counter.announce(tag, out, _ready)
+        return out
     reduce_dtype = counter.reduce_dtype if counter is not None else None
     send = full if reduce_dtype in (None, full.dtype) else full.to(reduce_dtype)  # e.g. bf16 grads in fp32
     placed = group.place(send).contiguous()
@@ -110,13 +129,21 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
         if out.dtype == full.dtype:
             counter.pending.append((work, lambda: None))
             _wait_when_backward_ends(counter)
+            counter.announce(tag, out, work.wait)
             return out
         result = full.new_empty(out.numel())
         counter.pending.append((work, lambda: result.copy_(out)))  # back to the gradient's dtype once landed
         _wait_when_backward_ends(counter)
         return result
     _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
-    return out.to(device=full.device, dtype=full.dtype)
+    out = out.to(device=full.device, dtype=full.dtype)
+    if counter is not None:
+        counter.announce(tag, out, _ready)
+    return out
+
+
+def _ready() -> None:
+    """The ``wait`` of a result that is already final."""
 
 
 def all_gather_json(obj, group: Group) -> list:
@@ -196,10 +223,11 @@ class AllGather(torch.autograd.Function):
     """``full = cat_r(shard_r)``; backward: ``grad_shard = mean_r(grad_full)[this rank]``.
 
     ``prefetched``: a `Prefetch` of the same gather issued earlier, used instead of gathering now.
+    ``tag``: passed on to the reduce-scatter of backward (see `CommCounter.listeners`).
     """
 
     @staticmethod
-    def forward(shard, group, counter, prefetched=None):
+    def forward(shard, group, counter, prefetched=None, tag=None):
         if prefetched is not None:
             return prefetched.result()
         return all_gather_flat(shard, group, counter)
@@ -207,26 +235,27 @@ class AllGather(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.group, ctx.counter = inputs[1], inputs[2]
+        ctx.tag = inputs[4] if len(inputs) > 4 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None, None
+        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter, ctx.tag), None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
     """``shard = mean_r(full_r)[this rank]``; backward: all-gather divided by N."""
 
     @staticmethod
-    def forward(full, group, counter):
-        return reduce_scatter_flat(full, group, counter)
+    def forward(full, group, counter, tag=None):
+        return reduce_scatter_flat(full, group, counter, tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.group, ctx.counter = inputs
+        ctx.group, ctx.counter = inputs[1], inputs[2]
 
     @staticmethod
     def backward(ctx, grad_shard):
-        return AllGather.apply(grad_shard, ctx.group, ctx.counter) / ctx.group.size, None, None
+        return AllGather.apply(grad_shard, ctx.group, ctx.counter) / ctx.group.size, None, None, None
 
 
 class Replicated(torch.autograd.Function):
@@ -241,16 +270,17 @@ class Replicated(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(shard, holder, group, counter):
+    def forward(shard, holder, group, counter, tag=None):
         return holder.full.view(-1)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, _, ctx.group, ctx.counter = inputs
+        ctx.group, ctx.counter = inputs[2], inputs[3]
+        ctx.tag = inputs[4] if len(inputs) > 4 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter), None, None, None
+        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter, ctx.tag), None, None, None, None
 
 
 class Holder:

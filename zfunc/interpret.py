@@ -17,6 +17,7 @@ primitive            what it means                                       called 
 ``psum``             sum a per-shard partial quantity over shards        norms, overflow checks
 ``update_params``    the optimizer arithmetic on (params, grads, state)  the plain apply_gradients
 ``compute_copy``     the compute-dtype copy of the fp32 master          mixed_precision
+``watch_gradients``  be told of gradient parts as backward makes them   offload (shard answers)
 ===================  ==================================================  ==================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition

@@ -145,7 +145,7 @@ def _ol_store_lowp(a, i, x):
 # ----------------------------------------------------------------------------- the kernel
 
 @njit(inline="always")
-def _update(i, p, g, m, v, out, oi, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss, tail):
+def _update(i, p, g, m, v, po, mo, vo, out, oi, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss, tail):
     """One element; all scalars float32. ``tail`` selects torch's scalar-loop contraction of v."""
     pi = p[i]
     gi = _load_f32(g, i)
@@ -164,19 +164,20 @@ def _update(i, p, g, m, v, out, oi, use_gs, gs, l2, wd, decay, lerp_small, w, wm
         vi = fma_f32(v[i], b2, (c2 * gi) * gi)
     else:
         vi = fma_f32(c2 * gi, gi, v[i] * b2)
-    m[i] = mi
-    v[i] = vi
+    mo[i] = mi
+    vo[i] = vi
     d = np.sqrt(vi) / bc2s + eps
     pi = pi + (nss * mi) / d
-    p[i] = pi
+    po[i] = pi
     _store_lowp(out, oi, pi)
 
 
 @njit(parallel=True, fastmath=False, cache=True, nogil=True, error_model="numpy")
-def _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main, stream_out,
+def _adam_kernel(p, g, m, v, po, mo, vo, out, nchunks, chunk, n_main, stream_out,
                  use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss):
     """Update ``[0, n_main)`` in ``nchunks`` parallel chunks, then ``[n_main, n)`` serially
-    with torch's scalar-tail contraction. ``stream_out``: write ``out`` through an L1 scratch
+    with torch's scalar-tail contraction. Results go to ``po, mo, vo`` (which may be
+    ``p, m, v`` themselves: in place). ``stream_out``: write ``out`` through an L1 scratch
     buffer and non-temporal stores (needs ``out`` 64-byte aligned)."""
     per_line = LINE_BYTES // out.itemsize
     for c in prange(nchunks):
@@ -189,7 +190,7 @@ def _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main, stream_out,
             while b < hi:
                 e = min(b + np.uint64(_BLK), hi)
                 for i in range(b, e):
-                    _update(i, p, g, m, v, scratch, i - b, use_gs, gs, l2, wd, decay, lerp_small, w, wm1,
+                    _update(i, p, g, m, v, po, mo, vo, scratch, i - b, use_gs, gs, l2, wd, decay, lerp_small, w, wm1,
                             b2, c2, bc2s, eps, nss, False)
                 cnt = e - b
                 full = cnt - cnt % np.uint64(per_line)
@@ -201,11 +202,11 @@ def _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main, stream_out,
             store_fence()
         else:
             for i in range(lo, hi):
-                _update(i, p, g, m, v, out, i, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s,
-                        eps, nss, False)
+                _update(i, p, g, m, v, po, mo, vo, out, i, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2,
+                        c2, bc2s, eps, nss, False)
     for i in range(np.uint64(n_main), np.uint64(p.size)):
-        _update(i, p, g, m, v, out, i, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s, eps, nss,
-                True)
+        _update(i, p, g, m, v, po, mo, vo, out, i, use_gs, gs, l2, wd, decay, lerp_small, w, wm1, b2, c2, bc2s,
+                eps, nss, True)
 
 
 # ----------------------------------------------------------------------------- Python API
@@ -259,8 +260,9 @@ _STREAM_OUT = True  # non-temporal stores for out_lowp (when it is 64-byte align
 
 
 def adamw_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-           weight_decay=0.0, step, mode="adamw", grad_scale=1.0, out_lowp=None, num_threads=None):
-    """One Adam/AdamW step, in place, over flat contiguous CPU buffers.
+           weight_decay=0.0, step, mode="adamw", grad_scale=1.0, out_lowp=None, num_threads=None,
+           into=None):
+    """One Adam/AdamW step, in place (or into ``out``), over flat contiguous CPU buffers.
 
     Args:
         param, exp_avg, exp_avg_sq: float32 CPU tensors, contiguous, same numel (any shape;
@@ -276,6 +278,10 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1=0.9, beta2=0.999, eps=
         out_lowp: optional bfloat16/float16 CPU tensor (contiguous, same numel) that receives
             the updated parameters, rounded to nearest even, in the same pass.
         num_threads: threads to use; default ``torch.get_num_threads()``.
+        into: optional ``(param, exp_avg, exp_avg_sq)`` float32 tensors (same numel) that receive
+            the results instead; the inputs are then only read (`offload` updates ahead of
+            time into spare buffers this way, so the state it read stays intact). The same
+            traffic as in place: each input is read once and each output written once.
 
     Returns ``param``. Results equal ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)``
     (with ``grad.float()`` for low-precision grads) bit for bit on x86 torch builds.
@@ -295,8 +301,17 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1=0.9, beta2=0.999, eps=
     if out_lowp is not None:
         out = _as_array(out_lowp, "out_lowp", n, (torch.bfloat16, torch.float16),
                         "torch.bfloat16 or torch.float16")
-    _check_no_overlap({"param": p, "grad": g, "exp_avg": m, "exp_avg_sq": v,
-                       "out_lowp": out if out_lowp is not None else None})
+    po, mo, vo = p, m, v
+    named = {"param": p, "grad": g, "exp_avg": m, "exp_avg_sq": v,
+             "out_lowp": out if out_lowp is not None else None}
+    if into is not None:
+        if not isinstance(into, (tuple, list)) or len(into) != 3:
+            raise ValueError("into must be a (param, exp_avg, exp_avg_sq) tuple of tensors")
+        po, mo, vo = (_as_array(t, f"into[{i}]", n, f32, "torch.float32") for i, t in enumerate(into))
+        # An output may be its own input (in place); otherwise it must not touch any buffer.
+        named.update({f"into[{i}]": o for i, (o, a) in enumerate(zip((po, mo, vo), (p, m, v)))
+                      if o.ctypes.data != a.ctypes.data})
+    _check_no_overlap(named)
 
     lr = _scalar(lr, "lr")
     beta1 = _scalar(beta1, "beta1")
@@ -335,7 +350,7 @@ def adamw_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1=0.9, beta2=0.999, eps=
     prev = numba.get_num_threads()
     numba.set_num_threads(num_threads)
     try:
-        _adam_kernel(p, g, m, v, out, nchunks, chunk, n_main, stream_out,
+        _adam_kernel(p, g, m, v, po, mo, vo, out, nchunks, chunk, n_main, stream_out,
                      gs != 1.0, F(gs), l2, F(weight_decay), decay, lerp_small, w, wm1, F(beta2), F(1.0 - beta2),
                      F(bc2_sqrt), F(eps), F(-step_size))
     finally:

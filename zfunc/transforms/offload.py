@@ -20,17 +20,26 @@ Where the master lives:
 
 Composes inside `shard` (``shard(offload(step), stage=...)``): each rank's
 shard of the optimizer state lives on its host. Must not wrap `shard`.
+
+Overlap (``overlap=True``, the default on CUDA): under `shard`, each unit's
+gradients go to the host and through the kernel as soon as their reduction
+is issued, while backward goes on, into spare buffers that are taken only if
+the step hands exactly those gradients to ``apply_gradients``
+(`zfunc.transforms.update_ahead`); results are bit for bit those of the
+update after backward.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 
-from zfunc.interpret import Transform
+from zfunc.interpret import Transform, dispatch
 from zfunc.optim.fused import FusedAdam
+from zfunc.transforms.update_ahead import Spares, UpdateAhead, adam_over_runs
 from zfunc.tree import tree_map_tensors
 
 
@@ -46,20 +55,35 @@ class offload(Transform):  # noqa: N801
     ``optimizer="cpu"``: Adam/AdamW run in the fused numba kernel, other
     optimizers through their pytree update on host tensors; ``"cpu-pytree"``
     forces the pytree path (a reference for tests and for optimizers the
-    kernel does not cover).
+    kernel does not cover). ``threads``: host threads for the update
+    (default: see `host_threads`). ``overlap``: start each unit's host update
+    during backward (under `shard`; default: when CUDA is available).
     """
 
     name = "offload"
     level = 1
 
     def __init__(self, step: Callable, optimizer: Literal["cpu", "cpu-pytree"] = "cpu",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, overlap: bool | None = None) -> None:
         if optimizer not in ("cpu", "cpu-pytree"):
             raise ValueError(f"offload: optimizer must be 'cpu' or 'cpu-pytree', got {optimizer!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"offload: threads must be a positive int or None, got {threads!r}")
+        if overlap not in (None, True, False):
+            raise ValueError(f"offload: overlap must be True, False or None (auto), got {overlap!r}")
         super().__init__(step)
         self.optimizer, self.threads = optimizer, threads
+        self.overlap = torch.cuda.is_available() if overlap is None else overlap
+        # Across steps: spare host buffers and the worker thread of the update
+        # ahead, and whether the last step computed gradients exactly once.
+        self._spares = Spares()
+        self._executor: ThreadPoolExecutor | None = None
+        self._single_gradient_call = False
+        # Scratch of one call.
+        self._ahead: UpdateAhead | None = None
+        self._claimed: dict[str, torch.Tensor] | None = None
+        self._gradient_calls = 0
+        self._used_ahead = False
         # Scratch of one update (see _apply_on_host); empty between calls.
         self._lowp_targets: dict[str, torch.Tensor] | None = None
         self._lowp_written: dict[int, torch.Tensor] = {}
@@ -68,6 +92,8 @@ class offload(Transform):  # noqa: N801
         out: dict[str, Any] = {"optimizer": self.optimizer} if self.optimizer != "cpu" else {}
         if self.threads is not None:
             out["threads"] = self.threads
+        if self.overlap != torch.cuda.is_available():
+            out["overlap"] = self.overlap
         return out
 
     def host_threads(self) -> int:
@@ -102,6 +128,66 @@ class offload(Transform):  # noqa: N801
             return next(state.replace(params=state.extras["offload"].master))
         return next(state)
 
+    # -- the update ahead, during backward -------------------------------------
+    def run(self, state, batch):
+        self._ahead, self._gradient_calls = self._start_ahead(state), 0
+        self._used_ahead = False
+        try:
+            new_state, metrics = self.step(state, batch)
+            return new_state, {**metrics, "offload_ahead": self._used_ahead}
+        finally:
+            if self._ahead is not None:
+                self._ahead.finish()  # nothing keeps running after the step
+            self._ahead, self._claimed = None, None
+            self._single_gradient_call = self._gradient_calls == 1
+
+    def _start_ahead(self, state) -> UpdateAhead | None:
+        """An `UpdateAhead` for this step, when the update can be known before backward ends."""
+        if not (self.overlap and self._single_gradient_call and self.optimizer == "cpu"):
+            return None
+        from zfunc.interpret import transforms_of  # noqa: PLC0415
+        from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415
+        from zfunc.transforms.mixed_precision import mixed_precision  # noqa: PLC0415
+
+        if any(isinstance(t, mixed_precision) and t.scaling != "none" for t in transforms_of(self.step)):
+            return None  # the update depends on a global overflow check
+        master = self._master_of(state)
+        if master is None or not FusedAdam.supports(state.tx):
+            return None
+        fused = FusedAdam.of(state.tx, state.opt_state, master)
+        if fused is None or fused.clip is not None or not all(
+                t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                for d in (master, fused.mu, fused.nu) for t in d.values()):
+            return None
+        lowp = self._compute_dtype()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zfunc-offload")
+        threads = max(1, self.host_threads() - 1) if torch.cuda.is_available() else self.host_threads()
+        return UpdateAhead(fused, state.tx, master, lowp, threads, self._spares, self._executor, adamw_)
+
+    @staticmethod
+    def _master_of(state) -> dict[str, torch.Tensor] | None:
+        """The host tensors the optimizer will update (see `init_state`)."""
+        if "offload" in state.extras:
+            return state.extras["offload"].master
+        mp = state.extras.get("mixed_precision")
+        # Else the params are their own master (all on the CPU), and under shard
+        # the optimizer sees views of them made only at apply_gradients: no guess.
+        return mp.master if mp is not None and mp.master else None
+
+    def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
+        self._gradient_calls += 1
+        if self._ahead is not None:
+            if self._gradient_calls > 1:  # accumulating: the update needs the sum of all calls
+                self._ahead.finish()
+                self._ahead = None
+            elif not dispatch("watch_gradients", lambda callback: False, self._ahead.on_grads):
+                self._ahead = None  # nothing announces gradients early (no shard)
+        out = next(fn, params, args, kwargs, has_aux)
+        if self._ahead is not None:
+            self._ahead.seal()
+        return out
+
     # -- the update ------------------------------------------------------------
     def apply_gradients(self, next, state, grads):
         previous = torch.get_num_threads()
@@ -112,7 +198,11 @@ class offload(Transform):  # noqa: N801
             torch.set_num_threads(previous)
 
     def _apply_on_host(self, next, state, grads):
-        host_grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
+        self._claimed = self._ahead.claim(grads) if self._ahead is not None else None
+        if self._claimed is not None:
+            host_grads = self._claimed  # already on the host, and already used
+        else:
+            host_grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
         own_master = state.extras.get("offload")
@@ -134,6 +224,15 @@ class offload(Transform):  # noqa: N801
         return new.replace(params=device_params, extras=extras)
 
     def update_params(self, next, tx, params, grads, opt_state):
+        if self._claimed is not None:
+            done = self._ahead.result(tx, params, grads, opt_state, self._claimed)
+            self._claimed = None
+            if done is not None:
+                new_params, new_opt_state, lowp = done
+                self._used_ahead = True
+                if lowp is not None:
+                    self._lowp_written = {id(new_params[k]): out for k, out in lowp.items()}
+                return new_params, new_opt_state
         if self.optimizer == "cpu-pytree" or not _kernel_applies(tx, params, grads):
             return next(tx, params, grads, opt_state)
         lowp = self._compute_dtype()
@@ -170,14 +269,9 @@ def kernel_update(tx, params: dict, grads: dict, opt_state, out_lowp: dict | Non
     from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
 
     fused = FusedAdam.of(tx, opt_state, params)
-    lr, step = float(fused.lr), int(fused.step)
     divisor = fused.grad_divisor(grads)
     grad_scale = 1.0 if divisor is None else float(divisor)
-    for key, p in params.items():
-        if p.numel():
-            adamw_(p, grads[key], fused.mu[key], fused.nu[key], lr=lr, beta1=fused.b1, beta2=fused.b2,
-                   eps=fused.eps, weight_decay=fused.weight_decay[key], step=step, mode=fused.mode,
-                   grad_scale=grad_scale, out_lowp=None if out_lowp is None else out_lowp[key])
+    adam_over_runs(adamw_, fused, list(params), params, grads, grad_scale, out_lowp, None, None)
     return params, fused.new_state()
 
 

@@ -240,7 +240,8 @@ class shard(Transform):  # noqa: N801
             sharded = {}
             for unit in layout.units:
                 flat = unit.pack_full(grads)
-                sharded.update(unit.shard_views(dist.reduce_scatter_flat(flat, group, call.counter), group.rank))
+                reduced = dist.reduce_scatter_flat(flat, group, call.counter, unit.name)
+                sharded.update(unit.shard_views(reduced, group.rank))
             call.counter.wait_pending()
             return value, sharded
         full_flats = self._full_flats(params, layout) if self.stage == 2 else None
@@ -285,7 +286,7 @@ class shard(Transform):  # noqa: N801
 
         def gather(unit: UnitLayout, flat_shard: torch.Tensor, phase: str) -> torch.Tensor:
             ready = call.prefetched.pop((phase, unit.name), None)
-            full = dist.AllGather.apply(flat_shard, group, call.counter, ready)
+            full = dist.AllGather.apply(flat_shard, group, call.counter, ready, unit.name)
             i = position[unit.name]
             if phase == "forward":
                 prefetch("forward", i + 1)
@@ -298,10 +299,11 @@ class shard(Transform):  # noqa: N801
         def materialize(unit: UnitLayout, slices: dict) -> dict:
             flat_shard = unit.cat_shard(slices, group.rank)
             if full_flats is not None:
-                full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter)
+                full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter,
+                                             unit.name)
                 return unit.differentiable_views(full)
             if unit.name == ROOT:
-                full = dist.AllGather.apply(flat_shard, group, call.counter)
+                full = dist.AllGather.apply(flat_shard, group, call.counter, None, unit.name)
                 prefetch("forward", 0)
                 return unit.differentiable_views(full)
             # A recomputed block's forward runs without grad; its rerun in backward with it.
@@ -348,6 +350,24 @@ class shard(Transform):  # noqa: N801
                 model_call.require_recompute(unit.name)
         model_call.params = new_params
         return next(model_call)
+
+    def watch_gradients(self, next, callback):
+        """Call ``callback(grad_shards, wait)`` for each unit as soon as its reduction is issued.
+
+        ``grad_shards``: this rank's 1-D gradient slices of the unit's
+        parameters, keyed like params (views of the reduced buffer, final once
+        ``wait()`` returned). Stages 2 and 3 issue them during backward, unit
+        by unit; stage 1 right after it.
+        """
+        call = self._active()
+        units = {u.name: u for u in call.layout.units}
+        rank = call.group.rank
+
+        def on_reduced(tag, flat, wait):
+            callback(units[tag].shard_views(flat, rank), wait)
+
+        call.counter.listeners.append(on_reduced)
+        return True
 
     def update_params(self, next, tx, params, grads, opt_state):
         """On CUDA, Adam/AdamW over all of this rank's shards in a few fused launches."""
