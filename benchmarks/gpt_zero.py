@@ -34,6 +34,7 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "1.3b": (2048, 24, 16, 4),
 }
 ALL = ["zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s2-offload", "zfunc-s3-offload",
+       "zfunc-s2-offload-serial",
        "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
 
 
@@ -65,7 +66,7 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device, reshard="release"):
+def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=True):
     import zfunc as zf
     from zfunc.interpret import Transform
     from zfunc.transforms import mixed_precision, offload, shard
@@ -110,7 +111,7 @@ def run_zfunc(args, stage, use_offload, device, reshard="release"):
 
     step = mixed_precision(train_step, "bf16")
     if use_offload:
-        step = offload(step)
+        step = offload(step, overlap=overlap)
     step = phases(shard(step, stage=stage, reshard=reshard))
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
@@ -289,8 +290,9 @@ def main():
             elif name == "fsdp2":
                 r = run_fsdp2(args, device)
             elif name.startswith("zfunc-s"):
-                r = run_zfunc(args, int(name[7]), name.endswith("offload"), device,
-                              reshard="recompute" if name.endswith("recompute") else "release")
+                r = run_zfunc(args, int(name[7]), "offload" in name, device,
+                              reshard="recompute" if name.endswith("recompute") else "release",
+                              overlap=not name.endswith("serial"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:

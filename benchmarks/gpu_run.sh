@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# One device call: NCCL equivalence, the head-to-head table, the CPU Adam benchmark and the
-# single-GPU offload comparison. Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
+# One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
+# the CPU Adam benchmark and the single-GPU offload comparison (PARTS picks; TAG names a repeat).
+# Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh [medium] [steps]
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-MODEL=${1:-medium}; STEPS=${2:-20}; PARTS=${PARTS:-equiv,table,cpuadam,single}
+MODEL=${1:-medium}; STEPS=${2:-20}; PARTS=${PARTS:-kernels,equiv,table,cpuadam,single}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [ -d .whl ]; then
@@ -18,6 +19,10 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 # DeepSpeed's) alike: give each rank its share of the cores instead.
 export OMP_NUM_THREADS=$(( $(nproc) / (NGPU > 0 ? NGPU : 1) ))
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "Warning\|warn(" ; }
+if [[ $PARTS == *kernels* ]]; then
+  run kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_adam.py tests/test_cpu_adam.py tests/test_shard_fused_update.py
+  run gpu_adam 180 python3 benchmarks/gpu_adam.py --json "$OUT/gpu_adam.json"
+fi
 if [[ $PARTS == *equiv* ]] && [ "$NGPU" -ge 2 ]; then
   run equiv 120 torchrun --nproc-per-node 2 tests/gpu/nccl_equivalence.py
 fi
@@ -25,10 +30,11 @@ if [[ $PARTS == *cpuadam* ]]; then
   run cpuadam 120 python3 benchmarks/cpu_adam.py --numel 100000000 --repeats 5 --json "$OUT/cpuadam.json"
 fi
 if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
-  run table_$MODEL ${TABLE_LIMIT:-400} torchrun --nproc-per-node 2 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
-    --json "$OUT/table_$MODEL.json" ${CONTENDERS:+--contenders $CONTENDERS}
+  run table_$MODEL${TAG:-} ${TABLE_LIMIT:-400} torchrun --nproc-per-node 2 benchmarks/gpt_zero.py --model "$MODEL" \
+    --steps "$STEPS" --json "$OUT/table_$MODEL${TAG:-}.json" ${CONTENDERS:+--contenders $CONTENDERS}
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL 300 torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
-    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s1-offload,ds-z2,ds-z2-offload} --json "$OUT/single_$MODEL.json" ${PROFILE:+--profile}
+    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s2-offload,zfunc-s2-offload-serial,ds-z2,ds-z2-offload} \
+    --json "$OUT/single_$MODEL.json" ${PROFILE:+--profile}
 fi

@@ -1,33 +1,659 @@
-"""Fused Adam/AdamW over many CUDA tensors in a few launches.
+"""Adam/AdamW and gradient statistics over flat GPU buffers, in one pass each.
 
-`adam_` runs torch's multi-tensor fused Adam/AdamW CUDA kernels
-(``torch._fused_adam_``/``torch._fused_adamw_``, the kernels behind
-``torch.optim.AdamW(fused=True)``) over lists of flat shards: one launch per
-~dozens of tensors instead of a dozen elementwise launches per tensor in the
-pytree path. The learning rate and step are device tensors, so nothing syncs
-with the host and CUDA graphs stay valid.
+Three entry points:
 
-Math (t = step, the 1-based update index; mode "adamw")::
+* ``adam_flat_`` updates one flat fp32 parameter buffer (with its two flat
+  moment buffers) from one flat gradient buffer in a single kernel launch.
+  Which weight decay applies where is an ``AdamSegments`` table built once
+  (runs of ``(start, length, weight_decay)``); elements no run covers are left
+  alone. Gradients may be fp32, bf16 or fp16 (read as they are, upcast in
+  registers), and the new parameters can be written a second time, rounded to
+  bf16/fp16, into ``out_lowp`` in the same pass: the compute copy then costs
+  its 2 bytes per element of writes instead of a separate cast pass (6 bytes
+  per element: read fp32, write 16-bit).
+* ``grad_stats_`` reads flat gradient buffers once: finite check, optional
+  in-place unscale by a loss scale, and the sum of squares for clipping.
+* ``adam_`` (kept from before) runs torch's multi-tensor fused kernels
+  (``torch._fused_adam[w]_``, the kernels behind ``torch.optim.AdamW(fused=True)``)
+  over lists of tensors.
 
-    p ← p·(1 − lr·wd);  m ← b1·m + (1 − b1)·g;  v ← b2·v + (1 − b2)·g²
-    p ← p − lr · (m / (1 − b1ᵗ)) / (√v / √(1 − b2ᵗ) + eps)
+The learning rate, step, gradient scale and found-inf flag are 0-d tensors on
+the device, read inside the kernels: nothing syncs with the host, and a CUDA
+graph captured around a step stays valid as they change.
 
-mode "adam" adds ``wd·p`` to ``g`` first instead of decaying ``p``.
+Math of ``adam_flat_`` (per element; t = step, the 1-based index of this
+update; ``wd`` the element's weight decay). It is the fp32 path of torch's
+CUDA fused Adam (``aten/src/ATen/native/cuda/fused_adam_utils.cuh`` as shipped
+with torch 2.13; every scalar is cast to float32 first, every operation is
+float32, ``fma`` is a fused multiply-add with one rounding)::
+
+    # once per program, from the device scalars (powf: CUDA's, through libdevice)
+    bc1 = 1 - powf(beta1, t);  bc2_sqrt = sqrt(1 - powf(beta2, t));  step_size = lr / bc1
+
+    g = grad / grad_scale                                  (only with grad_scale)
+    adam  (L2):        g = fma(p, wd, g)                   (only where wd != 0)
+    adamw (decoupled): p = fma(-(lr*wd), p, p)             (only where wd != 0)
+    m = fma(beta1, m, fma(-beta1, g, g))
+    v = fma(beta2, v, fma(-beta2, g*g, g*g))
+    p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+    out_lowp = round_to_nearest_even(p)                    (optional bf16/fp16 copy)
+
+Divisions and square roots are the IEEE ones, subnormals kept, as torch's
+kernel (built without fast-math) computes them; Triton's ``/`` and
+``tl.sqrt`` are approximate on NVIDIA GPUs and its ``div_rn``/``sqrt_rn``
+flush subnormals, so the kernel names the PTX instructions. The ``fma`` in
+the weight-decay lines is what nvcc makes of torch's ``grad += param*wd`` and
+``param -= lr*wd*param`` (it contracts a multiply feeding an add). So the
+Triton kernel should agree with ``torch.optim.AdamW(fused=True)`` on CUDA bit
+for bit; ``benchmarks/gpu_adam.py`` and ``tests/test_gpu_adam.py`` (on a CUDA
+machine) check it. Torch's CPU kernel computes differently (a lerp for ``m``,
+``float32(1 - beta2)`` where CUDA has ``1 - float32(beta2)``, bias corrections
+in float64): CPU results, the ``"torch"`` backend's and the Triton
+interpreter's (whose ``fma`` is a rounded multiply plus a rounded add), differ
+from CUDA's by ~1e-6 of the update.
+
+Unlike torch, the gradient is never written: torch's fused kernels store the
+unscaled gradient back when given ``grad_scale``; here grads are read-only
+(they may be bf16). The bf16 copy of a NaN is the canonical NaN ``0x7FFF``
+(what ``.to(torch.bfloat16)`` gives on CUDA; torch's CPU cast gives ``0xFFFF``).
+
+``grad_stats_`` unscales like torch's AMP (``GradScaler.unscale_``): multiply
+by the float32 reciprocal of the scale, which is the division for the powers
+of two that dynamic loss scales are.
+
+Backends: ``"triton"`` (one launch per ``adam_flat_``, one per buffer for
+``grad_stats_``; needs CUDA tensors, or ``TRITON_INTERPRET=1`` in the
+environment for CPU tensors in Triton's interpreter), ``"torch"`` (any device:
+``torch._fused_adam[w]_`` once per distinct weight decay, plus a ``copy_`` for
+``out_lowp``; torch's AMP unscale and ``_foreach_norm`` for the statistics),
+``"auto"`` (Triton for CUDA tensors when it imports, else torch). Importing
+this module does not import triton; the kernels are jitted on first use.
+
+Memory traffic of one ``adam_flat_`` element: read p, g, m, v and write p, m,
+v: 28 bytes with fp32 grads, 26 with 16-bit grads; ``out_lowp`` adds 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+import math
+import operator
+import os
+import types
+from collections.abc import Sequence
+
 import torch
 
+__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamSegments", "adam_",
+           "adam_flat_", "grad_stats_", "triton_available"]
+
+# Elements per row of the chunk table: one Triton program updates at most this many elements.
+# Big enough that the per-program scalar work (two powf, a few divisions) is noise. On a GPU,
+# AdamSegments.build shrinks it (down to MIN_CHUNK) for buffers too small to give every SM
+# PROGRAMS_PER_SM programs at this size, so small shards still fill the machine.
+CHUNK = 65536
+MIN_CHUNK = 2048
+PROGRAMS_PER_SM = 8
+
+# Chunk boundaries inside a run fall on multiples of ALIGN elements. A program whose chunk starts
+# and ends on such boundaries can prove it to the compiler, which then issues 16-byte vector loads
+# (4 fp32, 8 bf16); the (at most two per run) short unaligned pieces at a run's ends take a
+# scalar path.
+ALIGN = 16
+
+# Launch parameters of the Triton kernels (read at every call: the benchmark sweeps them).
+#   adam_block / adam_warps: elements per loop step and warps per program of adam_flat_;
+#   stats_block / stats_iters / stats_warps: the same for grad_stats_, whose programs each
+#   reduce stats_block * stats_iters elements to one partial sum (fewer iters on a GPU when the
+#   buffer is too small to give every SM PROGRAMS_PER_SM programs).
+# Defaults: 4 elements per thread per step (one 16-byte access per stream); ptxas gives the Adam
+# kernel ~80 registers at that size for sm_90 (8 elements per thread: ~130-160).
+TRITON_CONFIG = {"adam_block": 1024, "adam_warps": 8, "stats_block": 2048, "stats_iters": 16, "stats_warps": 8}
+
+# The torch backend upcasts/unscales gradients into temporaries; it does so this many elements
+# at a time, so the extra memory stays bounded.
+_TORCH_TMP_ELEMS = 1 << 24
+
+_FLOAT_GRADS = (torch.float32, torch.bfloat16, torch.float16)
+_LOWP = (torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------- segments
+
+class AdamSegments:
+    """Which weight decay applies where in a flat buffer, as a chunk table on the device.
+
+    Build once per layout with :meth:`build` (or :meth:`from_views`), reuse every step.
+
+    Attributes:
+        runs: the normalized runs ``(start, length, weight_decay)`` (sorted, adjacent runs
+            with equal decay merged, empty ones dropped); the torch backend works from these.
+        starts, lengths: int64 device tensors, one row per chunk (``length <= chunk``).
+        weight_decays: float32 device tensor, the decay of each chunk (the same float32
+            value torch's kernel would use).
+        chunk: the most elements of one chunk.
+        end: one past the last covered element (a buffer must have at least this many).
+        numel: how many elements the runs cover.
+    """
+
+    __slots__ = ("chunk", "end", "lengths", "numel", "runs", "starts", "weight_decays")
+
+    def __init__(self, runs, starts, lengths, weight_decays, chunk):
+        self.runs = runs
+        self.starts = starts
+        self.lengths = lengths
+        self.weight_decays = weight_decays
+        self.chunk = chunk
+        self.end = max((s + n for s, n, _ in runs), default=0)
+        self.numel = sum(n for _, n, _ in runs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.starts.device
+
+    @property
+    def num_chunks(self) -> int:
+        return self.starts.numel()
+
+    def __repr__(self):
+        return (f"AdamSegments({len(self.runs)} runs, {self.num_chunks} chunks of <= {self.chunk}, "
+                f"{self.numel} elements up to {self.end}, on {self.device})")
+
+    @classmethod
+    def build(cls, runs: Sequence[tuple[int, int, float]], device, *, chunk: int | None = None) -> AdamSegments:
+        """Chunk table for ``runs`` of ``(start, length, weight_decay)`` in element units.
+
+        Runs must not overlap (an element updated twice would be a silent bug); their order
+        does not matter. ``chunk``: a positive multiple of ``ALIGN``; by default ``CHUNK``,
+        less on a GPU for small buffers (see ``CHUNK``).
+        """
+        device = torch.device(device)
+        runs = list(runs)
+        if chunk is None:
+            chunk = _auto_chunk(sum(max(0, _as_int_or(r, 1)) for r in runs), device)
+        if not isinstance(chunk, int) or chunk <= 0 or chunk % ALIGN:
+            raise ValueError(f"chunk must be a positive multiple of {ALIGN}, got {chunk!r}")
+        norm = []
+        for i, run in enumerate(runs):
+            try:
+                start, length, wd = run
+                start, length, wd = _as_int(start), _as_int(length), float(wd)
+            except (TypeError, ValueError):
+                raise ValueError(f"runs[{i}] must be (start: int, length: int, weight_decay: float), "
+                                 f"got {run!r}") from None
+            if start < 0 or length < 0:
+                raise ValueError(f"runs[{i}] = {run!r}: start and length must be >= 0")
+            if not math.isfinite(wd):
+                raise ValueError(f"runs[{i}] = {run!r}: weight_decay must be finite")
+            if length:
+                norm.append((start, length, wd))
+        norm.sort()
+        merged: list[tuple[int, int, float]] = []
+        for start, length, wd in norm:
+            if merged:
+                s0, n0, wd0 = merged[-1]
+                if start < s0 + n0:
+                    raise ValueError(f"runs overlap: [{s0}, {s0 + n0}) and [{start}, {start + length})")
+                if start == s0 + n0 and wd == wd0:
+                    merged[-1] = (s0, n0 + length, wd0)
+                    continue
+            merged.append((start, length, wd))
+
+        rows: list[tuple[int, int, float]] = []
+        for start, length, wd in merged:
+            end = start + length
+            a = -(-start // ALIGN) * ALIGN  # first aligned boundary inside the run
+            b = end // ALIGN * ALIGN  # last one
+            if a >= b:  # too short for an aligned middle: scalar pieces
+                rows.extend((s, min(chunk, end - s), wd) for s in range(start, end, chunk))
+                continue
+            if start < a:
+                rows.append((start, a - start, wd))
+            rows.extend((s, min(chunk, b - s), wd) for s in range(a, b, chunk))
+            if b < end:
+                rows.append((b, end - b, wd))
+
+        starts = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device)
+        lengths = torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device)
+        wds = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device)
+        return cls(tuple(merged), starts, lengths, wds, chunk)
+
+    @classmethod
+    def uniform(cls, numel: int, weight_decay: float, device, *, chunk: int | None = None) -> AdamSegments:
+        """One run over a whole buffer of ``numel`` elements."""
+        return cls.build([(0, numel, weight_decay)], device, chunk=chunk)
+
+    @classmethod
+    def from_views(cls, flat: torch.Tensor, views: Sequence[tuple[torch.Tensor, float]], *,
+                   chunk: int | None = None) -> AdamSegments:
+        """Runs from ``(view, weight_decay)`` pairs, each view a contiguous view into ``flat``
+        (e.g. the per-parameter views of one flat shard), on ``flat``'s device."""
+        if not isinstance(flat, torch.Tensor) or not flat.is_contiguous():
+            raise ValueError("flat must be a contiguous tensor")
+        base, item = flat.data_ptr(), flat.element_size()
+        runs = []
+        for i, (view, wd) in enumerate(views):
+            if not isinstance(view, torch.Tensor):
+                raise ValueError(f"views[{i}] is a {type(view).__name__}, expected a tensor")  # noqa: TRY004
+            if view.numel() == 0:
+                continue
+            if view.dtype != flat.dtype or view.device != flat.device or not view.is_contiguous():
+                raise ValueError(f"views[{i}] must be a contiguous {flat.dtype} view on {flat.device}")
+            off = view.data_ptr() - base
+            if off % item or off < 0 or off // item + view.numel() > flat.numel():
+                raise ValueError(f"views[{i}] does not lie inside flat")
+            runs.append((off // item, view.numel(), wd))
+        return cls.build(runs, flat.device, chunk=chunk)
+
+
+def _as_int_or(run, i: int, default: int = 0) -> int:
+    """``run[i]`` as an int if it is one (for sizing only: build validates runs properly)."""
+    try:
+        return _as_int(run[i])
+    except (TypeError, ValueError, IndexError):
+        return default
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _auto_chunk(total: int, device: torch.device) -> int:
+    """CHUNK, or on a GPU the largest power of two >= MIN_CHUNK that still gives every SM
+    PROGRAMS_PER_SM programs for ``total`` elements."""
+    if device.type != "cuda" or total <= 0:
+        return CHUNK
+    want = PROGRAMS_PER_SM * _sm_count(device)
+    chunk = CHUNK
+    while chunk > MIN_CHUNK and total // chunk < want:
+        chunk //= 2
+    return chunk
+
+
+def _as_int(x) -> int:
+    if isinstance(x, bool):
+        raise TypeError("bool")
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_floating_point():
+            raise TypeError("not an integer")
+        return int(x.item())
+    return operator.index(x)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _flat(t, name: str, dtypes: tuple, numel: int | None = None, device=None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected {' or '.join(str(d) for d in dtypes)}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a 1-D contiguous tensor, got shape {tuple(t.shape)} "
+                         f"stride {t.stride()}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, param has {numel}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, param on {device}")
+    return t.detach()
+
+
+def _device_scalar(t, name: str, device, optional: bool = False):
+    if t is None and optional:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a 1-element tensor on {device} (read on the device, no host "  # noqa: TRY004
+                         f"sync), got {type(t).__name__}")
+    if t.numel() != 1:
+        raise ValueError(f"{name} must have 1 element, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; it must be on the buffers' device {device}")
+    if t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{name} has dtype {t.dtype}; expected a real number type")
+    return t.detach().reshape(())
+
+
+def _check_no_overlap(named: dict) -> None:
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for name, t in named.items() if t is not None and t.numel())
+    for (_, hi0, n0), (lo1, _, n1) in itertools.pairwise(spans):
+        if lo1 < hi0:
+            raise ValueError(f"{n0} and {n1} share memory; every buffer must be distinct")
+
+
+# ----------------------------------------------------------------------------- triton plumbing
+
+@functools.cache
+def _triton():
+    """The triton module, or None when it does not import."""
+    try:
+        import triton
+        import triton.language
+    except Exception:  # noqa: BLE001  (ImportError, or a broken install: treat as absent)
+        return None
+    return triton
+
+
+def triton_available() -> bool:
+    return _triton() is not None
+
+
+def _interpreting() -> bool:
+    """Whether triton.jit would make an interpreted kernel now (TRITON_INTERPRET, or triton's knob)."""
+    knobs = getattr(_triton(), "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def _pick_backend(backend: str, device: torch.device) -> str:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton() is not None else "torch"
+    if backend == "triton":
+        if _triton() is None:
+            raise ImportError("backend='triton' but triton does not import; use backend='torch'")
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(f"backend='triton' needs CUDA tensors (got {device}), or TRITON_INTERPRET=1 "
+                             f"in the environment to run the kernels in Triton's interpreter")
+    return backend
+
+
+@functools.cache
+def _kernels(interpret: bool) -> types.SimpleNamespace:
+    """The Triton kernels, compiled from the plain functions at the end of this module.
+
+    ``triton.jit`` decides at decoration time whether a kernel runs in Triton's interpreter
+    (``TRITON_INTERPRET``), so decorating happens here, once per setting, and not at import:
+    importing this module never imports triton. Each set gets its own globals (``tl``,
+    ``libdevice`` and the jitted helpers under the names the kernels call them by).
+    """
+    triton = _triton()
+    import triton.language as tl_
+
+    try:
+        from triton.language.extra import libdevice as libdevice_
+    except ImportError:  # older triton: the generic libdevice lived under tl.math
+        libdevice_ = tl_.math
+    g = dict(globals(), tl=tl_, libdevice=libdevice_)
+    for name in _TRITON_FUNCS:
+        fn = globals()[name]
+        g[name] = triton.jit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
+    del interpret  # the cache key only: triton.jit reads TRITON_INTERPRET itself
+    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"], stats_kernel=g["_stats_kernel"])
+
+
+def _ptx(interpret: bool) -> bool:
+    """Whether the kernels may use inline PTX (NVIDIA, compiled; not ROCm, not the interpreter)."""
+    return not interpret and torch.version.hip is None
+
+
+def _launch(device: torch.device):
+    """Context: make ``device`` current for the launch (Triton launches on the current device)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------- adam_flat_
+
+def adam_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               segments: AdamSegments, *, lr: torch.Tensor, step: torch.Tensor, beta1: float, beta2: float,
+               eps: float, mode: str = "adamw", grad_scale: torch.Tensor | None = None,
+               out_lowp: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+               backend: str = "auto") -> None:
+    """One Adam/AdamW step, in place, over the elements of flat buffers that ``segments`` covers.
+
+    Args:
+        param, exp_avg, exp_avg_sq: 1-D contiguous float32 tensors of one length, one device.
+        grad: 1-D contiguous float32, bfloat16 or float16 tensor of that length. Read only.
+        segments: an :class:`AdamSegments` on the same device; its runs must end within the
+            buffers. Elements outside its runs are not touched (``out_lowp`` included).
+        lr, step: 1-element tensors on the device (``step``: the 1-based index of this update,
+            any real dtype; it is used as float32, like torch's ``state_steps``).
+        beta1, beta2, eps: numbers.
+        mode: ``"adamw"`` (decoupled decay, ``torch.optim.AdamW``) or ``"adam"`` (L2 decay added
+            to the gradient, ``torch.optim.Adam``).
+        grad_scale: optional 1-element tensor on the device; gradients are divided by it first
+            (a loss scale, or a clipping divisor).
+        out_lowp: optional 1-D contiguous bfloat16/float16 tensor of the same length; receives
+            the updated parameters rounded to nearest even (``param.to(out_lowp.dtype)``).
+        found_inf: optional 1-element tensor on the device; when it is nonzero the step is
+            skipped on the device (torch's GradScaler protocol). The Triton backend then writes
+            nothing; the torch backend on CUDA still refreshes ``out_lowp`` from the unchanged
+            params. Advancing ``step`` is the caller's business either way.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (module docstring).
+    """
+    if mode not in ("adam", "adamw"):
+        raise ValueError(f"mode must be 'adam' or 'adamw', got {mode!r}")
+    if not isinstance(segments, AdamSegments):
+        raise ValueError(f"segments must be an AdamSegments (AdamSegments.build(...)), got "  # noqa: TRY004
+                         f"{type(segments).__name__}")
+    param = _flat(param, "param", (torch.float32,))
+    n, device = param.numel(), param.device
+    exp_avg = _flat(exp_avg, "exp_avg", (torch.float32,), n, device)
+    exp_avg_sq = _flat(exp_avg_sq, "exp_avg_sq", (torch.float32,), n, device)
+    grad = _flat(grad, "grad", _FLOAT_GRADS, n, device)
+    if out_lowp is not None:
+        out_lowp = _flat(out_lowp, "out_lowp", _LOWP, n, device)
+    if segments.device != device:
+        raise ValueError(f"segments are on {segments.device}, the buffers on {device}; build them with "
+                         f"AdamSegments.build(runs, device={str(device)!r})")
+    if segments.end > n:
+        raise ValueError(f"segments reach element {segments.end}, the buffers have {n}")
+    lr = _device_scalar(lr, "lr", device)
+    step = _device_scalar(step, "step", device)
+    grad_scale = _device_scalar(grad_scale, "grad_scale", device, optional=True)
+    found_inf = _device_scalar(found_inf, "found_inf", device, optional=True)
+    beta1, beta2, eps = _number(beta1, "beta1"), _number(beta2, "beta2"), _number(eps, "eps")
+    _check_no_overlap({"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
+                       "out_lowp": out_lowp})
+    backend = _pick_backend(backend, device)
+    if not segments.runs:
+        return
+    if backend == "triton":
+        _adam_triton(param, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1, beta2, eps, mode,
+                     grad_scale, out_lowp, found_inf)
+    else:
+        _adam_torch(param, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1, beta2, eps, mode,
+                    grad_scale, out_lowp, found_inf)
+
+
+def _number(x, name: str) -> float:
+    if isinstance(x, (torch.Tensor, bool)):
+        raise ValueError(f"{name} must be a Python number, got {type(x).__name__}")  # noqa: TRY004
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {type(x).__name__}") from None
+
+
+def _adam_triton(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, eps, mode, grad_scale,
+                 out_lowp, found_inf):
+    interp = _interpreting()
+    k = _kernels(interp)
+    cfg = TRITON_CONFIG
+    block = int(cfg["adam_block"])
+    out_kind = 0 if out_lowp is None else (1 if out_lowp.dtype == torch.bfloat16 else 2)
+    # bf16 copies are stored as bit patterns, rounded in the kernel (_bf16_bits); no copy: a dummy
+    out = param if out_lowp is None else (out_lowp.view(torch.int16) if out_kind == 1 else out_lowp)
+    with _launch(param.device):
+        k.adam_kernel[(seg.num_chunks,)](
+            param, grad, exp_avg, exp_avg_sq, out, seg.starts, seg.lengths, seg.weight_decays,
+            lr, step, grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
+            beta1, beta2, eps,
+            ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
+            OUT_KIND=out_kind, INTERPRET=interp, PTX=_ptx(interp), BLOCK=block, ITERS=-(-seg.chunk // block),
+            ALIGN=ALIGN, num_warps=int(cfg["adam_warps"]))
+
+
+def _adam_torch(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, eps, mode, grad_scale,
+                out_lowp, found_inf):
+    device = param.device
+    if found_inf is not None and device.type == "cpu" and bool(found_inf != 0):
+        return  # free to read on the host: skip everything, like the Triton kernel does
+    kernel = torch._fused_adamw_ if mode == "adamw" else torch._fused_adam_
+    lr = lr.to(torch.float32)
+    step = step.to(torch.float32)
+    scale = None if grad_scale is None else grad_scale.to(torch.float32)
+    found = None if found_inf is None else found_inf.to(torch.float32)
+    # torch's kernels want fp32 grads and write the unscaled grad back when given grad_scale;
+    # grads here are read-only and may be 16-bit, so those cases go through fp32 temporaries
+    # (g / scale is the same float32 division the kernel would do).
+    tmp = grad.dtype != torch.float32 or scale is not None
+    by_wd: dict[float, list[tuple[int, int]]] = {}
+    for start, length, wd in seg.runs:
+        by_wd.setdefault(wd, []).append((start, length))
+    for wd, runs in by_wd.items():
+        for batch in _batches(runs, _TORCH_TMP_ELEMS if tmp else None):
+            ps = [param[s:s + n] for s, n in batch]
+            gs = [grad[s:s + n] for s, n in batch]
+            if tmp:  # .float() copies 16-bit grads; torch.div makes a new tensor of fp32 ones
+                gs = [g.float() if scale is None else torch.div(g.float(), scale) for g in gs]
+            kernel(ps, gs, [exp_avg[s:s + n] for s, n in batch], [exp_avg_sq[s:s + n] for s, n in batch], [],
+                   [step] * len(ps), lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                   amsgrad=False, maximize=False, grad_scale=None, found_inf=found)
+    if out_lowp is not None:
+        if len(seg.runs) == 1:
+            s, n, _ = seg.runs[0]
+            out_lowp[s:s + n].copy_(param[s:s + n])
+        else:
+            torch._foreach_copy_([out_lowp[s:s + n] for s, n, _ in seg.runs],
+                                 [param[s:s + n] for s, n, _ in seg.runs])
+
+
+def _batches(runs: list[tuple[int, int]], limit: int | None):
+    """Split runs into lists of at most ``limit`` elements in all (pieces of runs where needed)."""
+    if limit is None:
+        yield runs
+        return
+    batch, size = [], 0
+    for start, length in runs:
+        while length:
+            take = min(length, limit - size)
+            batch.append((start, take))
+            size += take
+            start += take
+            length -= take
+            if size == limit:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
+
+
+# ----------------------------------------------------------------------------- grad_stats_
+
+def grad_stats_(grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None, *,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over flat gradient buffers: finite check, optional unscale, sum of squares.
+
+    Args:
+        grads: contiguous float32/bfloat16/float16 tensors (any shape, treated as flat) on one
+            device; modified in place when ``scale`` is given.
+        scale: optional 1-element tensor on that device (a loss scale): every element is
+            multiplied by ``1/scale`` (the float32 reciprocal, rounded once) and stored back in
+            its own dtype, rounded to nearest even. This is exactly torch's AMP unscale
+            (``GradScaler.unscale_``); it equals ``g / scale`` when ``scale`` is a power of two,
+            as dynamic loss scales are.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Returns ``(found, sumsq)``, 0-d float32 tensors on the device: ``found`` is 1.0 if any
+    element was inf or NaN before unscaling, else 0.0; ``sumsq`` is the sum of the squares of
+    the (unscaled, as stored) elements, accumulated in float32 (the summation order, and so the
+    last bits, depend on the backend). Nothing is read back to the host.
+    """
+    if isinstance(grads, torch.Tensor):
+        grads = [grads]
+    grads = list(grads)
+    if not grads:
+        raise ValueError("grads is empty")
+    device = None
+    for i, g in enumerate(grads):
+        if not isinstance(g, torch.Tensor):
+            raise ValueError(f"grads[{i}] is a {type(g).__name__}, expected a tensor")  # noqa: TRY004
+        if g.dtype not in _FLOAT_GRADS:
+            raise ValueError(f"grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
+        if not g.is_contiguous():
+            raise ValueError(f"grads[{i}] is not contiguous")
+        if device is None:
+            device = g.device
+        elif g.device != device:
+            raise ValueError(f"grads[{i}] is on {g.device}, grads[0] on {device}")
+    grads = [g.detach().view(-1) for g in grads]
+    scale = _device_scalar(scale, "scale", device, optional=True)
+    backend = _pick_backend(backend, device)
+    if backend == "triton":
+        return _stats_triton(grads, scale)
+    return _stats_torch(grads, scale)
+
+
+def _stats_torch(grads, scale):
+    device = grads[0].device
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
+           else torch.reciprocal(scale.to(torch.float32)))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():
+            by_dtype.setdefault(g.dtype, []).append(g)
+    norms = []
+    for group in by_dtype.values():
+        # checks each element before multiplying (with inv == 1 it rewrites the same values)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+        norms.extend(torch._foreach_norm(group, 2, dtype=torch.float32))
+    if not norms:
+        return found, torch.zeros((), dtype=torch.float32, device=device)
+    return found, torch.stack(norms).square().sum()
+
+
+def _stats_triton(grads, scale):
+    interp = _interpreting()
+    k = _kernels(interp)
+    cfg = TRITON_CONFIG
+    block, iters = int(cfg["stats_block"]), int(cfg["stats_iters"])
+    device = grads[0].device
+    if device.type == "cuda":  # enough programs to fill the GPU (see TRITON_CONFIG)
+        total, want = sum(g.numel() for g in grads), PROGRAMS_PER_SM * _sm_count(device)
+        while iters > 1 and total // (block * iters) < want:
+            iters //= 2
+    span = block * iters
+    progs = [-(-g.numel() // span) for g in grads]
+    total = sum(progs)
+    if total == 0:
+        z = torch.zeros((), dtype=torch.float32, device=device)
+        return z, z.clone()
+    partials = torch.empty(total, dtype=torch.float32, device=device)
+    flags = torch.empty(total, dtype=torch.int32, device=device)
+    off = 0
+    with _launch(device):
+        for g, p in zip(grads, progs):
+            if not p:
+                continue
+            kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[g.dtype]
+            k.stats_kernel[(p,)](
+                g.view(torch.int16) if kind == 1 else g, g.numel(), partials[off:], flags[off:],
+                scale if scale is not None else partials,
+                KIND=kind, HAS_SCALE=scale is not None, PTX=_ptx(interp), BLOCK=block, ITERS=iters, ALIGN=ALIGN,
+                num_warps=int(cfg["stats_warps"]))
+            off += p
+    return flags.amax().to(torch.float32), partials.sum()
+
+
+# ----------------------------------------------------------------------------- adam_ (multi-tensor)
 
 def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
           exp_avg_sqs: list[torch.Tensor], *, lr: torch.Tensor, step: torch.Tensor, beta1: float,
           beta2: float, eps: float, weight_decay: float, mode: str = "adamw",
           grad_scale: torch.Tensor | None = None) -> None:
-    """In-place fused update of fp32 CUDA tensors (all lists the same length and shapes).
+    """In-place fused update of fp32 CUDA tensors (all lists the same length and shapes), with
+    torch's multi-tensor kernels (a launch per few dozen tensors).
 
-    ``grad_scale``: gradients are divided by it first (a loss scale, or a
-    gradient-clipping divisor), inside the same kernel.
+    ``grad_scale``: gradients are divided by it first (a loss scale, or a gradient-clipping
+    divisor), inside the same kernel; like torch, the unscaled gradients are written back.
     """
     if mode not in ("adam", "adamw"):
         raise ValueError(f"mode must be 'adam' or 'adamw', got {mode!r}")
@@ -43,3 +669,194 @@ def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[
     kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr.to(device=device, dtype=torch.float32),
            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
            grad_scale=scale)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+#
+# Plain functions: ``_kernels()`` jits them with ``tl`` and ``libdevice`` bound (they are None
+# here). Notes that hold throughout:
+#   * divisions and square roots go through ``_div`` / ``_sqrt``: IEEE, subnormals kept (PTX
+#     ``div.rn.f32`` / ``sqrt.rn.f32``), as in torch's kernels, built without fast-math. On NVIDIA
+#     GPUs Triton's ``/`` is ``div.full.f32`` and ``tl.sqrt`` is ``sqrt.approx.f32`` (a few ulp
+#     off), and ``tl.div_rn`` / ``tl.sqrt_rn`` become the ``.ftz`` forms (Triton 3.5).
+#   * ``tl.fma`` wherever torch's kernel has an fma (explicit, or contracted by nvcc), and no
+#     multiply feeding an add anywhere else, so Triton's own contraction changes nothing.
+#   * no jitted functions of triton's standard library (tl.zeros, tl.sum, tl.cdiv, ...): those were
+#     jitted when triton was imported, so if that happened without TRITON_INTERPRET, the
+#     interpreter cannot call them; builtins (tl.full, tl.reduce, tl.where, ...) work either way.
+#   * bf16 is stored as bits rounded here (``_bf16_bits``): the interpreter's float32 -> bf16
+#     cast truncates, this gives the same bits in the interpreter and on the GPU.
+
+tl = libdevice = None  # bound to triton.language / its libdevice in _kernels()
+
+_TRITON_FUNCS = ("_add", "_max", "_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update",
+                 "_adam_kernel", "_stats_block", "_stats_kernel")
+
+
+def _add(a, b):
+    return a + b
+
+
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+def _div(a, b, PTX: tl.constexpr):
+    """a / b, IEEE round to nearest, subnormals kept (what torch's CUDA kernel computes)."""
+    if PTX:
+        # tl.div_rn lowers to div.rn.ftz.f32 (Triton 3.5), which flushes subnormal inputs and
+        # results to zero; say exactly which instruction we mean
+        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.div_rn(a, b)
+
+
+def _sqrt(x, PTX: tl.constexpr):
+    """sqrt(x), IEEE round to nearest, subnormals kept (tl.sqrt_rn: sqrt.rn.ftz.f32)."""
+    if PTX:
+        return tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.sqrt_rn(x)
+
+
+def _bf16_bits(x):
+    """float32 -> bfloat16 bits (int16), round to nearest even; every NaN -> 0x7FFF (CUDA's)."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # a carry out of the mantissa bumps the exponent: right
+    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
+    return r.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+def _bf16_bits_to_f32(b):
+    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+def _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, mask, wd, lr_wd, gs, beta1, beta2, eps, step_size,
+                 bc2_sqrt, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, OUT_KIND: tl.constexpr,
+                 PTX: tl.constexpr):
+    """One block of elements; the math of torch's ``adam_math`` (module docstring)."""
+    p = tl.load(p_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
+    if HAS_SCALE:
+        g = _div(g, gs, PTX)
+    # torch skips the decay when wd == 0: p*0 would turn an inf param into NaN
+    if ADAMW:
+        p = tl.where(wd != 0.0, tl.fma(-lr_wd, p, p), p)
+    else:
+        g = tl.where(wd != 0.0, tl.fma(p, wd, g), g)
+    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
+    g2 = g * g
+    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+    denom = _div(_sqrt(v, PTX), bc2_sqrt, PTX) + eps
+    p = p - _div(step_size * m, denom, PTX)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if OUT_KIND == 1:
+        tl.store(o_ptr + offs, _bf16_bits(p), mask=mask)
+    elif OUT_KIND == 2:
+        tl.store(o_ptr + offs, p.to(tl.float16), mask=mask)  # RNE (cvt.rn.f16.f32; numpy when interpreted)
+
+
+def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_ptr, lr_ptr, step_ptr,
+                 scale_ptr, found_ptr, beta1, beta2, eps, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_FOUND: tl.constexpr, OUT_KIND: tl.constexpr, INTERPRET: tl.constexpr,
+                 PTX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
+    """Program ``pid`` updates chunk ``pid`` of the table: ``[start, start + length)``, with
+    ``length <= ITERS * BLOCK``, in masked steps of BLOCK elements: as many as the chunk needs (the
+    short head/tail chunks of runs take one), or in the interpreter always ITERS (it cannot loop to a
+    bound loaded from memory with numpy >= 2.4, nor to an assigned one: it turns every assigned
+    value into a tensor, hence the inline conditional)."""
+    pid = tl.program_id(0)
+    lo = tl.load(starts_ptr + pid)
+    n = tl.load(lengths_ptr + pid)
+    if HAS_FOUND:  # a skipped step is an empty chunk: every access masked, nothing read or written
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)
+    wd = tl.load(wd_ptr + pid)
+    # per-program scalars, as torch computes them per tensor: everything float32
+    lr = tl.load(lr_ptr).to(tl.float32)
+    t = tl.load(step_ptr).to(tl.float32)
+    if INTERPRET:
+        # no libdevice in the interpreter: powf via float64 (correctly rounded but for rare ties)
+        b1t = tl.exp2(t.to(tl.float64) * tl.log2(tl.full((), beta1, tl.float32).to(tl.float64)))
+        b2t = tl.exp2(t.to(tl.float64) * tl.log2(tl.full((), beta2, tl.float32).to(tl.float64)))
+        b1t = b1t.to(tl.float32)
+        b2t = b2t.to(tl.float32)
+    else:
+        b1t = libdevice.pow(beta1, t)  # __nv_powf: the powf torch's CUDA kernel calls
+        b2t = libdevice.pow(beta2, t)
+    step_size = _div(lr, 1.0 - b1t, PTX)
+    bc2_sqrt = _sqrt(1.0 - b2t, PTX)
+    lr_wd = lr * wd
+    if HAS_SCALE:
+        gs = tl.load(scale_ptr).to(tl.float32)
+    else:
+        gs = 1.0
+    if (lo % ALIGN == 0) & (n % ALIGN == 0):
+        # recomputed as multiples of ALIGN so the compiler can prove 16-byte alignment of every
+        # block and a constant mask over each group of ALIGN lanes: vector loads and stores
+        base = lo // ALIGN * ALIGN
+        end = base + n // ALIGN * ALIGN
+        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
+            offs = base + k * BLOCK + tl.arange(0, BLOCK)
+            _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
+                         beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
+    else:
+        end = lo + n
+        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
+            offs = lo + k * BLOCK + tl.arange(0, BLOCK)
+            _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
+                         beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
+
+
+def _stats_block(g_ptr, offs, mask, acc, bad, inv, KIND: tl.constexpr, HAS_SCALE: tl.constexpr):
+    raw = tl.load(g_ptr + offs, mask=mask, other=0)
+    if KIND == 1:
+        x = _bf16_bits_to_f32(raw)
+    else:
+        x = raw.to(tl.float32)
+    u = x.to(tl.uint32, bitcast=True)
+    bad = bad | (((u >> 23) & 0xFF) == 0xFF).to(tl.int32)  # exponent all ones: inf or NaN
+    if HAS_SCALE:
+        y = x * inv
+        if KIND == 0:
+            tl.store(g_ptr + offs, y, mask=mask)
+        elif KIND == 1:
+            bits = _bf16_bits(y)
+            tl.store(g_ptr + offs, bits, mask=mask)
+            y = _bf16_bits_to_f32(bits)
+        else:
+            h = y.to(tl.float16)
+            tl.store(g_ptr + offs, h, mask=mask)
+            y = h.to(tl.float32)
+    else:
+        y = x
+    return acc + y * y, bad  # masked lanes load 0 and add 0
+
+
+def _stats_kernel(g_ptr, n, part_ptr, flag_ptr, scale_ptr, KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
+                  PTX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
+    """Program ``pid`` reduces ``[pid * BLOCK * ITERS, ...)`` to a partial sum of squares and a
+    non-finite flag. The aligned loop stops at the last multiple of ALIGN (vector accesses); the
+    last program also takes the ``n % ALIGN`` elements after it."""
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * (BLOCK * ITERS)
+    n_al = n // ALIGN * ALIGN
+    if HAS_SCALE:
+        inv = _div(1.0, tl.load(scale_ptr).to(tl.float32), PTX)  # torch: float(1 / double(scale)), the same
+    else:
+        inv = 1.0
+    acc = tl.full([BLOCK], 0.0, tl.float32)
+    bad = tl.full([BLOCK], 0, tl.int32)
+    for k in range(ITERS):
+        offs = base + k * BLOCK + tl.arange(0, BLOCK)
+        acc, bad = _stats_block(g_ptr, offs, offs < n_al, acc, bad, inv, KIND, HAS_SCALE)
+    if pid == tl.num_programs(0) - 1:
+        offs = n_al + tl.arange(0, BLOCK)
+        acc, bad = _stats_block(g_ptr, offs, offs < n, acc, bad, inv, KIND, HAS_SCALE)
+    tl.store(part_ptr + pid, tl.reduce(acc, 0, _add))
+    tl.store(flag_ptr + pid, tl.reduce(bad, 0, _max))

@@ -41,10 +41,12 @@ How it falls out of the primitives:
   per-unit buffers); the results are written back into those buffers and,
   in stages 1 and 2, the updated shards are all-gathered into the full
   parameters in place.
-- ``update_params``: on CUDA, Adam/AdamW (optionally after
-  clip_by_global_norm) over all of this rank's shards in a few multi-tensor
-  fused launches; elsewhere the next handler (offload's kernel, or the pure
-  pytree update).
+- ``update_params``: Adam/AdamW (optionally after clip_by_global_norm)
+  over this rank's shards in one fused launch per unit, writing the compute
+  copy in the same pass (`zfunc.kernels.gpu_adam`); under `offload`, or for
+  other optimizers, the next handler (offload's kernel, or the pure pytree
+  update).
+- ``compute_copy``: the compute copy that fused update wrote.
 - ``psum``: an all-reduce, so norms and overflow checks are global.
 
 Gradient reductions are asynchronous (waited when backward ends) and run in
@@ -69,8 +71,10 @@ from zfunc.transforms.shard_layout import (
     ROOT,
     ShardLayout,
     UnitLayout,
+    contiguous_runs,
     make_layout,
     map_param_shaped,
+    span_of,
     zip_param_shaped,
 )
 
@@ -97,6 +101,9 @@ class _Call:
         self.sharded_applies = 0
         self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
+        # During apply_gradients: the compute shards, and the copies the fused update wrote there.
+        self.lowp_targets: dict[str, torch.Tensor] | None = None
+        self.lowp_written: dict[int, torch.Tensor] = {}
 
     def drop_prefetched(self) -> None:
         """Finish and forget prefetches nobody used (e.g. a forward without backward)."""
@@ -134,6 +141,7 @@ class shard(Transform):  # noqa: N801
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
         self.reshard = reshard
         self._call: _Call | None = None
+        self._segments: dict[tuple, Any] = {}  # weight-decay tables of the fused update, per layout
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": self.stage}
@@ -370,22 +378,60 @@ class shard(Transform):  # noqa: N801
         return True
 
     def update_params(self, next, tx, params, grads, opt_state):
-        """On CUDA, Adam/AdamW over all of this rank's shards in a few fused launches."""
-        fused = FusedAdam.of(tx, opt_state, params)
-        if fused is None or not all(p.is_cuda and p.dtype == torch.float32 for p in params.values()) \
-                or not all(g.is_cuda and g.is_floating_point() for g in grads.values()):
-            return next(tx, params, grads, opt_state)
-        from zfunc.kernels.gpu_adam import adam_  # noqa: PLC0415
+        """Adam/AdamW over all of this rank's shards: one fused launch per unit.
 
-        grads = {k: g.float() for k, g in grads.items()}  # mixed precision hands bf16/fp16 grads on
+        `zfunc.kernels.gpu_adam.adam_flat_` (Triton on CUDA, torch's fused
+        kernels elsewhere) over each unit's flat shard of parameters,
+        gradients (in their own dtype) and moments, with the weight decay of
+        each parameter from a small per-unit table; under `mixed_precision`
+        it also writes the compute copy straight into the compute shards
+        (handed back through ``compute_copy``), so there is no separate cast
+        and copy. Left to inner transforms under `offload` (its host kernel).
+        """
+        fused = FusedAdam.of(tx, opt_state, params)
+        call = self._active()
+        if fused is None or self._offloaded() or not params or not _fusable(params, grads, fused):
+            return next(tx, params, grads, opt_state)
+        from zfunc.kernels.gpu_adam import adam_flat_  # noqa: PLC0415
 
         divisor = fused.grad_divisor(grads)  # clip_by_global_norm, if chained before the Adam
-        for wd in sorted(set(fused.weight_decay.values())):
-            keys = [k for k, p in params.items() if fused.weight_decay[k] == wd and p.numel()]
-            adam_([params[k] for k in keys], [grads[k] for k in keys], [fused.mu[k] for k in keys],
-                  [fused.nu[k] for k in keys], lr=fused.lr, step=fused.step, beta1=fused.b1, beta2=fused.b2,
-                  eps=fused.eps, weight_decay=wd, mode=fused.mode, grad_scale=divisor)
+        lowp = _lowp_targets(call.lowp_targets, params)
+        operands = [params, grads, fused.mu, fused.nu, *([lowp] if lowp is not None else [])]
+        for run in contiguous_runs([k for k, p in params.items() if p.numel()], operands):
+            p, g, m, v, *out = (span_of(d, run) for d in operands)
+            adam_flat_(p, g, m, v, self._segments_for(run, params, fused.weight_decay), lr=fused.lr,
+                       step=fused.step, beta1=fused.b1, beta2=fused.b2, eps=fused.eps, mode=fused.mode,
+                       grad_scale=divisor, out_lowp=out[0] if out else None)
+        if lowp is not None:
+            call.lowp_written = {id(params[k]): lowp[k] for k in params}
         return params, fused.new_state()
+
+    def _segments_for(self, run: list[str], params: dict, weight_decay: dict):
+        """The weight-decay table of one run (built once per layout, then reused)."""
+        from zfunc.kernels.gpu_adam import AdamSegments  # noqa: PLC0415
+
+        device = params[run[0]].device
+        key = (tuple(run), tuple(params[k].numel() for k in run), tuple(weight_decay[k] for k in run), str(device))
+        if key not in self._segments:
+            runs, start = [], 0
+            for k in run:
+                runs.append((start, params[k].numel(), weight_decay[k]))
+                start += params[k].numel()
+            self._segments[key] = AdamSegments.build(runs, device)
+        return self._segments[key]
+
+    def _offloaded(self) -> bool:
+        from zfunc.interpret import transforms_of  # noqa: PLC0415
+
+        return any(t.name == "offload" for t in transforms_of(self.step))
+
+    def compute_copy(self, next, master, dtype):
+        """The compute copy that `update_params` wrote while updating ``master``, if it did."""
+        written = self._call.lowp_written if self._call is not None else {}
+        copies = {k: written.get(id(t)) for k, t in master.items()}
+        if written and all(c is not None and c.dtype == dtype for c in copies.values()):
+            return copies
+        return next(master, dtype)
 
     def apply_gradients(self, next, state, grads):
         call = self._active()
@@ -395,7 +441,11 @@ class shard(Transform):  # noqa: N801
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats = self._full_flats(state.params, layout) if self.stage != 3 else None
         shards = self._param_shards(state.params, layout, flats)
-        new = next(state.replace(params=shards), grads)
+        call.lowp_targets = shards  # where a fused update may write the compute copy
+        try:
+            new = next(state.replace(params=shards), grads)
+        finally:
+            call.lowp_targets, call.lowp_written = None, {}
 
         def write_back(old: dict, fresh: dict) -> dict:
             for k, t in old.items():
@@ -411,6 +461,23 @@ class shard(Transform):  # noqa: N801
                 flat = flats[unit.name]
                 dist.all_gather_flat(unit.rank_region(flat, group.rank).clone(), group, call.counter, out=flat)
         return state.replace(step=new.step, opt_state=opt_state, extras={**extras, "shard": layout})
+
+
+def _fusable(params: dict, grads: dict, fused: FusedAdam) -> bool:
+    """Whether the fused update takes these: fp32 params and moments, float grads, one device."""
+    device = next(iter(params.values())).device
+    return all(p.dtype == torch.float32 and p.device == device for p in params.values()) \
+        and all(grads[k].is_floating_point() and grads[k].device == device for k in params) \
+        and all(fused.mu[k].dtype == torch.float32 and fused.mu[k].device == device for k in params)
+
+
+def _lowp_targets(targets: dict | None, params: dict) -> dict | None:
+    """The compute shards, if the fused update can write the compute copy into them."""
+    if targets is None or set(targets) != set(params):
+        return None
+    ok = all(t.dtype in (torch.bfloat16, torch.float16) and t.device == params[k].device
+             and t.numel() == params[k].numel() and t.is_contiguous() for k, t in targets.items())
+    return targets if ok else None
 
 
 def _partition(tree: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:

@@ -277,3 +277,44 @@ def _prod(shape: Iterable[int]) -> int:
     for s in shape:
         out *= s
     return out
+
+
+# ---------------------------------------------------------------------------
+# Flat spans of per-parameter views: fused kernels take a whole run at once.
+
+
+def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None) -> list[list[str]]:
+    """``keys`` split into runs that are one gap-free span, in one order, in every operand.
+
+    Keys are ordered by their position in ``operands[0]``; ``same`` (key -> value):
+    a run also never joins keys whose values differ (e.g. weight decays).
+    """
+    keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(),
+                                       operands[0][k].storage_offset()))
+    runs: list[list[str]] = []
+    for key in keys:
+        last = runs[-1][-1] if runs else None
+        if last is not None and _continues(last, key, operands) and (same is None or same[key] == same[last]):
+            runs[-1].append(key)
+        else:
+            runs.append([key])
+    return runs
+
+
+def _continues(previous: str, key: str, operands: list[dict]) -> bool:
+    for d in operands:
+        a, b = d[previous], d[key]
+        if (not a.is_contiguous() or not b.is_contiguous() or a.dtype != b.dtype or a.device != b.device
+                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                or a.storage_offset() + a.numel() != b.storage_offset()):
+            return False
+    return True
+
+
+def span_of(d: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    """The 1-D span of ``d``'s storage that ``d[keys]`` cover (contiguous, in this order)."""
+    first = d[keys[0]]
+    if len(keys) == 1:
+        return first.reshape(-1)
+    length = sum(d[k].numel() for k in keys)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (length,))

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from zfunc.optim.fused import FusedAdam
+from zfunc.transforms.shard_layout import contiguous_runs, span_of
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,7 +92,7 @@ class UpdateAhead:
         self.fused, self.tx, self.master = fused, tx, master
         self.threads, self.spares, self.executor, self.kernel = threads, spares, executor, kernel
         self.lowp_dtype = lowp
-        self.stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self.stream: torch.cuda.Stream | None = None  # the side stream of the copies (made on first use)
         self.jobs: list[Future] = []
         self.lock = threading.Lock()
         self.seen: dict[str, torch.Tensor] = {}  # key -> the device gradient it used
@@ -118,6 +119,8 @@ class UpdateAhead:
                 from zfunc.transforms.offload import copy_grouped  # noqa: PLC0415
 
                 device = next(iter(grads.values())).device
+                if self.stream is None:
+                    self.stream = torch.cuda.Stream(device)
                 self.stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(self.stream):
                     wait()
@@ -232,42 +235,11 @@ def adam_over_runs(kernel, fused: FusedAdam, keys: list[str], params: dict, grad
     """
     operands = [params, grads, fused.mu, fused.nu, *(into or ()), *([lowp] if lowp is not None else [])]
     lr, step = float(fused.lr), int(fused.step)
-    for run in _runs([k for k in keys if params[k].numel()], operands, fused.weight_decay):
-        spans = [_span(d, run) for d in operands]
+    for run in contiguous_runs([k for k in keys if params[k].numel()], operands, fused.weight_decay):
+        spans = [span_of(d, run) for d in operands]
         p, g, m, v = spans[:4]
         outputs = tuple(spans[4:7]) if into is not None else None
         kernel(p, g, m, v, lr=lr, beta1=fused.b1, beta2=fused.b2, eps=fused.eps,
                weight_decay=fused.weight_decay[run[0]], step=step, mode=fused.mode, grad_scale=grad_scale,
                out_lowp=spans[-1] if lowp is not None else None, num_threads=threads, into=outputs)
 
-
-def _runs(keys: list[str], operands: list[dict], weight_decay: dict[str, float]) -> list[list[str]]:
-    """``keys`` (sorted by position) split into runs that are one gap-free span in every operand
-    and share a weight decay."""
-    keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(), operands[0][k].storage_offset()))
-    runs: list[list[str]] = []
-    for key in keys:
-        if runs and _continues(runs[-1][-1], key, operands) and weight_decay[key] == weight_decay[runs[-1][-1]]:
-            runs[-1].append(key)
-        else:
-            runs.append([key])
-    return runs
-
-
-def _continues(previous: str, key: str, operands: list[dict]) -> bool:
-    for d in operands:
-        a, b = d[previous], d[key]
-        if (not a.is_contiguous() or not b.is_contiguous() or a.dtype != b.dtype
-                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-                or a.storage_offset() + a.numel() != b.storage_offset()):
-            return False
-    return True
-
-
-def _span(d: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
-    """The flat span of ``d``'s storage that ``d[keys]`` cover (they are contiguous, in order)."""
-    first = d[keys[0]]
-    if len(keys) == 1:
-        return first.reshape(-1)
-    length = sum(d[k].numel() for k in keys)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (length,))

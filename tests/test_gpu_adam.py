@@ -1,0 +1,507 @@
+"""zfunc.kernels.gpu_adam: adam_flat_ / grad_stats_ / AdamSegments, both backends.
+
+The torch backend runs here on the CPU and is checked against torch.optim.AdamW/Adam(fused=True)
+element by element. The Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+the ``interpret`` fixture before the kernels are first jitted; nothing else in the suite imports
+triton) on small buffers whose chunks cross run boundaries and end off the block grid, and are
+checked against a numpy emulation of the math of torch's CUDA kernel and against the torch
+backend. On a CUDA machine, ``test_cuda_*`` compare the compiled kernels with torch's fused
+CUDA kernel bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from zfunc.kernels import gpu_adam as ga
+from zfunc.kernels.gpu_adam import AdamSegments, adam_flat_, grad_stats_
+
+BETAS, EPS = (0.9, 0.999), 1e-8
+LR = 1e-3
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str = ""):
+    """Bitwise equal, except that a NaN only has to be a NaN (torch's own NaN bits differ
+    between its CPU and CUDA casts)."""
+    nan = torch.isnan(want.float())
+    assert torch.equal(torch.isnan(got.float()), nan), f"{what}: NaN positions differ"
+    bad = (bits(got) != bits(want)) & ~nan
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {got.numel()} differ, first at "
+                                 f"{int(bad.nonzero()[0])}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def step_args(t, device="cpu", lr=LR):
+    return {"lr": torch.tensor(lr, device=device), "step": torch.tensor(float(t), device=device),
+            "beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS}
+
+
+# ----------------------------------------------------------------------------- segments
+
+def test_segments_build_chunks_and_merges():
+    seg = AdamSegments.build([(500, 300, 0.1), (3, 200, 0.0), (203, 297, 0.0), (900, 5, 0.1)], "cpu", chunk=64)
+    # sorted, adjacent equal-decay runs merged, the 5-element run kept
+    assert seg.runs == ((3, 497, 0.0), (500, 300, 0.1), (900, 5, 0.1))
+    assert seg.end == 905 and seg.numel == 802
+    starts, lengths, wds = seg.starts.tolist(), seg.lengths.tolist(), seg.weight_decays.tolist()
+    # the chunks tile the runs exactly, none longer than chunk
+    covered = sorted(i for s, n in zip(starts, lengths) for i in range(s, s + n))
+    assert covered == [i for s, n, _ in seg.runs for i in range(s, s + n)]
+    assert max(lengths) <= 64
+    # every chunk is either aligned at both ends or a short head/tail piece of a run
+    for s, n in zip(starts, lengths):
+        assert (s % ga.ALIGN == 0 and n % ga.ALIGN == 0) or n < 2 * ga.ALIGN
+    assert wds == [0.0 if s < 500 else pytest.approx(0.1) for s in starts]
+    assert seg.weight_decays.dtype == torch.float32 and seg.starts.dtype == torch.int64
+
+
+def test_segments_from_views_and_uniform():
+    flat = torch.zeros(100)
+    views = [(flat[0:30].view(5, 6), 0.1), (flat[30:31], 0.0), (flat[40:100], 0.1), (flat[31:31], 0.5)]
+    seg = AdamSegments.from_views(flat, views)
+    assert seg.runs == ((0, 30, 0.1), (30, 1, 0.0), (40, 60, 0.1))
+    assert AdamSegments.uniform(10, 0.0, "cpu").runs == ((0, 10, 0.0),)
+    assert AdamSegments.build([], "cpu").num_chunks == 0
+
+
+@pytest.mark.parametrize("runs, match", [
+    ([(0, 10, 0.0), (5, 10, 0.0)], "overlap"),
+    ([(-1, 10, 0.0)], ">= 0"),
+    ([(0, 10)], "start: int"),
+    ([(0.5, 10, 0.0)], "start: int"),
+    ([(0, 10, float("nan"))], "finite"),
+])
+def test_segments_bad_runs(runs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamSegments.build(runs, "cpu")
+
+
+def test_segments_bad_chunk_and_views():
+    with pytest.raises(ValueError, match="multiple of"):
+        AdamSegments.build([(0, 10, 0.0)], "cpu", chunk=100)
+    flat = torch.zeros(10)
+    with pytest.raises(ValueError, match="inside flat"):
+        AdamSegments.from_views(flat, [(torch.zeros(3), 0.0)])
+    with pytest.raises(ValueError, match="contiguous"):
+        AdamSegments.from_views(flat, [(flat.view(2, 5)[:, 1], 0.0)])
+
+
+# ----------------------------------------------------------------------------- torch backend vs torch.optim
+
+RUNS = [(0, 700, 0.1), (700, 301, 0.0), (1001, 40, 0.1), (1100, 900, 0.05)]  # 1041..1100 is a gap
+N = 2003  # and so are the last 3 elements
+
+
+def reference(p0, runs, mode, lr=LR):
+    cls = torch.optim.AdamW if mode == "adamw" else torch.optim.Adam
+    params = [torch.nn.Parameter(p0[s:s + n].clone()) for s, n, _ in runs]
+    groups = [{"params": [q], "weight_decay": wd} for q, (_, _, wd) in zip(params, runs)]
+    return params, cls(groups, lr=torch.tensor(lr), betas=BETAS, eps=EPS, fused=True)
+
+
+@pytest.mark.parametrize("mode", ["adamw", "adam"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_torch_backend_matches_fused_optimizer(mode, grad_dtype, scaled):
+    p0 = torch.randn(N, generator=gen(0))
+    ref, opt = reference(p0, RUNS, mode)
+    seg = AdamSegments.build(RUNS, "cpu")
+    p, m, v = p0.clone(), torch.zeros(N), torch.zeros(N)
+    out = torch.full((N,), 7.0, dtype=torch.bfloat16)
+    scale = torch.tensor(3.0) if scaled else None
+    for t in range(1, 6):
+        g = torch.randn(N, generator=gen(t)).to(grad_dtype)
+        g_before = g.clone()
+        for q, (s, n, _) in zip(ref, RUNS):
+            q.grad = g[s:s + n].float() / scale if scaled else g[s:s + n].float()
+        opt.step()
+        adam_flat_(p, g, m, v, seg, **step_args(t), mode=mode, grad_scale=scale, out_lowp=out, backend="torch")
+        assert torch.equal(g, g_before), "grads must stay untouched"
+        for q, (s, n, _) in zip(ref, RUNS):
+            st = opt.state[q]
+            assert_bits_equal(p[s:s + n], q.detach(), f"param, step {t}")
+            assert_bits_equal(m[s:s + n], st["exp_avg"], f"exp_avg, step {t}")
+            assert_bits_equal(v[s:s + n], st["exp_avg_sq"], f"exp_avg_sq, step {t}")
+            assert_bits_equal(out[s:s + n], p[s:s + n].to(torch.bfloat16), "out_lowp")
+    gaps = torch.cat([torch.arange(1041, 1100), torch.arange(2000, N)])
+    assert torch.equal(p[gaps], p0[gaps]) and not m[gaps].any() and not v[gaps].any()
+    assert (out[gaps] == 7.0).all()
+
+
+def test_torch_backend_found_inf_skips_everything():
+    seg = AdamSegments.uniform(100, 0.1, "cpu")
+    p0 = torch.randn(100, generator=gen(1))
+    p, m, v = p0.clone(), torch.zeros(100), torch.zeros(100)
+    out = torch.zeros(100, dtype=torch.float16)
+    adam_flat_(p, torch.ones(100), m, v, seg, **step_args(1), out_lowp=out, found_inf=torch.tensor(1.0),
+               backend="torch")
+    assert torch.equal(p, p0) and not m.any() and not v.any() and not out.any()
+    adam_flat_(p, torch.ones(100), m, v, seg, **step_args(1), out_lowp=out, found_inf=torch.tensor(0.0),
+               backend="torch")
+    assert not torch.equal(p, p0) and torch.equal(out, p.half())
+
+
+# ----------------------------------------------------------------------------- numpy emulation of torch's CUDA kernel
+
+def cuda_adam_reference(p, g, m, v, runs, *, lr, t, mode, scale=None, fused=True):
+    """torch 2.13's fused_adam_utils.cuh ``adam_math`` for fp32 params, in numpy float32.
+
+    ``fused=False`` computes every fma as a rounded multiply and a rounded add, and powf via
+    float64 exp2/log2, which is what the Triton interpreter does: the interpreted kernel must
+    then agree bit for bit. (``fused=True``: fma through float64, exact product, the sum rounded
+    twice, which differs from a true fma only in rare ties.)
+    """
+    f = np.float32
+
+    def _fma(a, b, c):
+        if fused:
+            return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(f)
+        return a * b + c
+
+    p, m, v = p.copy(), m.copy(), v.copy()
+    b1, b2, eps, lr = f(BETAS[0]), f(BETAS[1]), f(EPS), f(lr)
+    tf = np.float64(f(t))
+    b1t = np.exp2(tf * np.log2(np.float64(b1))) if not fused else np.float64(b1) ** tf
+    b2t = np.exp2(tf * np.log2(np.float64(b2))) if not fused else np.float64(b2) ** tf
+    bc1 = f(1) - f(b1t)
+    bc2s = np.sqrt(f(1) - f(b2t))
+    step_size = lr / bc1
+    for s, n, wd in runs:
+        sl = slice(s, s + n)
+        wd = f(wd)
+        pp, gg, mm, vv = p[sl], g[sl].astype(f), m[sl], v[sl]
+        if scale is not None:
+            gg = gg / f(scale)
+        if wd != 0:
+            if mode == "adamw":
+                pp = _fma(np.full_like(pp, -(lr * wd)), pp, pp)
+            else:
+                gg = _fma(pp, np.full_like(pp, wd), gg)
+        mm = _fma(np.full_like(mm, b1), mm, _fma(np.full_like(gg, -b1), gg, gg))
+        g2 = gg * gg
+        vv = _fma(np.full_like(vv, b2), vv, _fma(np.full_like(g2, -b2), g2, g2))
+        denom = np.sqrt(vv) / bc2s + eps
+        p[sl] = pp - (step_size * mm) / denom
+        m[sl], v[sl] = mm, vv
+    return p, m, v
+
+
+def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Distance in float32 ulps (monotone integer mapping of the bit patterns)."""
+    def key(x):
+        i = x.astype(np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return np.abs(key(a) - key(b))
+
+
+# ----------------------------------------------------------------------------- triton, interpreted
+
+# the interpreter's numpy ops warn about the inf/NaN/overflow the tests feed them on purpose
+quiet = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton in its interpreter, with blocks small enough that chunks span several of them."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setitem(ga.TRITON_CONFIG, "adam_block", 32)
+    monkeypatch.setitem(ga.TRITON_CONFIG, "stats_block", 64)
+    monkeypatch.setitem(ga.TRITON_CONFIG, "stats_iters", 2)
+
+
+# runs start and end off the 16-element grid, chunks (96) end mid-run and are not multiples of
+# the block (32) ... and one run is shorter than ALIGN
+T_RUNS = [(5, 300, 0.1), (305, 190, 0.0), (520, 7, 0.1), (560, 437, 0.02)]
+T_N = 1000
+
+
+@pytest.mark.parametrize("mode, grad_dtype, scaled", [
+    ("adamw", torch.float32, False), ("adamw", torch.bfloat16, True), ("adam", torch.float16, True),
+])
+def test_triton_interpreted_matches_cuda_math_and_torch(interpret, mode, grad_dtype, scaled):
+    seg = AdamSegments.build(T_RUNS, "cpu", chunk=96)
+    p0 = torch.randn(T_N, generator=gen(2))
+    tp, tm, tv = p0.clone(), torch.zeros(T_N), torch.zeros(T_N)  # triton
+    rp, rm, rv = p0.clone(), torch.zeros(T_N), torch.zeros(T_N)  # torch backend
+    ep, em, ev = p0.numpy().copy(), np.zeros(T_N, np.float32), np.zeros(T_N, np.float32)  # emulation
+    out = torch.zeros(T_N, dtype=torch.bfloat16)
+    scale = torch.tensor(4.0) if scaled else None
+    worst = {"torch": 0.0}
+    covered = torch.cat([torch.arange(s, s + n) for s, n, _ in T_RUNS])
+    for t in range(1, 4):
+        g = (torch.randn(T_N, generator=gen(10 + t)) * 2.0 ** -t).to(grad_dtype)
+        adam_flat_(tp, g, tm, tv, seg, **step_args(t), mode=mode, grad_scale=scale, out_lowp=out, backend="triton")
+        adam_flat_(rp, g, rm, rv, seg, **step_args(t), mode=mode, grad_scale=scale, backend="torch")
+        ep, em, ev = cuda_adam_reference(ep, g.float().numpy(), em, ev, T_RUNS, lr=LR, t=t, mode=mode,
+                                         scale=None if scale is None else 4.0, fused=False)
+        for got, want, what in ((tp, ep, "param"), (tm, em, "exp_avg"), (tv, ev, "exp_avg_sq")):
+            assert_bits_equal(got, torch.from_numpy(want), f"{what} vs emulation, step {t}")
+        # vs torch's CPU kernel, relative to |p| + lr. Two causes, both expected: the CPU kernel weighs
+        # g*g by float32(1 - 0.999) = 1e-3 but CUDA's math by 1 - float32(0.999) = 0.99998713e-3 (and
+        # corrects bias in float64), ~2e-6 with true fmas; and the interpreter's unfused fma, which
+        # loses ~3 digits of fma(-b2, g*g, g*g) to cancellation: ~1e-5 here.
+        err = ((tp - rp).abs() / (rp.abs() + LR)).max().item()
+        worst["torch"] = max(worst["torch"], err)
+        assert_bits_equal(out[covered], tp[covered].to(torch.bfloat16), f"bf16 copy, step {t}")
+    print(f"\ntriton (interpreted) vs torch CPU backend, {mode} {grad_dtype}: max |dp| / (|p| + lr) "
+          f"{worst['torch']:.2e}")
+    assert worst["torch"] < 5e-5
+    gaps = np.setdiff1d(np.arange(T_N), np.concatenate([np.arange(s, s + n) for s, n, _ in T_RUNS]))
+    assert torch.equal(tp[gaps], p0[gaps]) and not tm[gaps].any() and not out[gaps].any()
+
+
+def special_values(dtype):
+    """float32 values around every rounding hazard of a cast to ``dtype``."""
+    f = np.float32
+    info = torch.finfo(dtype)
+    nmant = {torch.bfloat16: 7, torch.float16: 10}[dtype]
+    vals = [0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.0, -1.0, np.finfo(f).max, -np.finfo(f).max,
+            np.finfo(f).tiny, np.finfo(f).tiny / 8, -np.finfo(f).tiny / 3, 1e-45, info.max, -info.max,
+            info.tiny, info.tiny / 4, info.tiny / 2 ** (nmant + 2), float(info.max) * (1 + 2.0 ** -12),
+            float(info.max) * (1 + 2.0 ** -(nmant + 1))]
+    out = np.array(vals, dtype=f)
+    # exact ties and near-ties of the mantissa cut, at several exponents
+    keep = 23 - nmant
+    base = np.random.default_rng(0).integers(0x00800000, 0x7F000000, 256, dtype=np.uint32)
+    base &= ~np.uint32((1 << keep) - 1)
+    half = np.uint32(1 << (keep - 1))
+    cuts = np.concatenate([base | half, (base | half) - 1, (base | half) + 1, base | (half << 1) | half])
+    cuts = np.concatenate([cuts, cuts | np.uint32(0x80000000)]).view(f)
+    nan_payloads = np.array([0x7F800001, 0xFFC00001, 0x7FBFFFFF], np.uint32).view(f)
+    rand = np.random.default_rng(1).integers(0, 2 ** 32, 2000, dtype=np.uint64).astype(np.uint32).view(f)
+    return torch.from_numpy(np.concatenate([out, cuts, nan_payloads, rand]))
+
+
+@quiet
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_lowp_copy_bit_exact(interpret, dtype):
+    # lr = 0 and zero grads/moments leave every param as it is (NaN, inf and subnormals included),
+    # so the copy-out sees exactly these values
+    p0 = special_values(dtype)
+    n = p0.numel()
+    seg = AdamSegments.build([(0, 37, 0.0), (37, n - 37, 0.0)], "cpu", chunk=512)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.zeros(n, dtype=dtype)
+    adam_flat_(p, torch.zeros(n, dtype=dtype), m, v, seg, **step_args(1, lr=0.0), out_lowp=out, backend="triton")
+    assert_bits_equal(p, p0, "params with lr=0")
+    assert_bits_equal(out, p0.to(dtype), f"{dtype} copy")
+    if dtype == torch.bfloat16:  # every NaN becomes CUDA's canonical bf16 NaN
+        assert (bits(out)[torch.isnan(p0)] == 0x7FFF).all()
+
+
+@quiet
+def test_triton_found_inf_and_adam_without_decay(interpret):
+    seg = AdamSegments.build([(0, 50, 0.0), (50, 50, 0.3)], "cpu", chunk=64)
+    p0 = torch.randn(100, generator=gen(3))
+    p, m, v = p0.clone(), torch.zeros(100), torch.zeros(100)
+    out = torch.zeros(100, dtype=torch.bfloat16)
+    args = step_args(1)
+    adam_flat_(p, torch.ones(100), m, v, seg, **args, out_lowp=out, found_inf=torch.tensor(1.0), backend="triton")
+    assert torch.equal(p, p0) and not m.any() and not v.any() and not out.any()
+    # wd == 0 must not touch an inf param (p*0 would make it NaN); elsewhere an ordinary step
+    p[0] = float("inf")
+    rp = p.clone()
+    rm, rv = m.clone(), v.clone()
+    for mode in ("adam", "adamw"):
+        adam_flat_(p, torch.ones(100), m, v, seg, **args, mode=mode, found_inf=torch.tensor(0.0), backend="triton")
+        adam_flat_(rp, torch.ones(100), rm, rv, seg, **args, mode=mode, backend="torch")
+        assert p[0] == float("inf")
+        torch.testing.assert_close(p[1:], rp[1:], rtol=1e-6, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- grad_stats_
+
+def stats_inputs():
+    g32 = torch.randn(1003, generator=gen(4)) * 3
+    g16 = (torch.randn(77, generator=gen(5)) * 100).to(torch.bfloat16)
+    gh = (torch.randn(300, generator=gen(6)) * 1000).half().view(10, 30)
+    return [g32, g16, gh]
+
+
+@quiet
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_grad_stats(backend, scaled, request):
+    if backend == "triton":
+        request.getfixturevalue("interpret")
+    grads = stats_inputs()
+    before = [g.clone() for g in grads]
+    scale = torch.tensor(3.0) if scaled else None  # not a power of two: multiply by the fp32 reciprocal
+    found, sumsq = grad_stats_(grads, scale, backend=backend)
+    assert found.dtype == sumsq.dtype == torch.float32 and found.dim() == sumsq.dim() == 0
+    assert found.item() == 0.0
+    inv = torch.reciprocal(torch.tensor(3.0))
+    for g, b in zip(grads, before):
+        want = (b.float() * inv).to(b.dtype) if scaled else b
+        assert_bits_equal(g, want, "unscaled in place")
+    exact = sum(float((g.double() ** 2).sum()) for g in grads)
+    assert sumsq.item() == pytest.approx(exact, rel=2e-6)
+
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        grads = stats_inputs()
+        grads[1][40] = bad
+        found, sumsq = grad_stats_(grads, scale, backend=backend)
+        assert found.item() == 1.0 and not torch.isfinite(sumsq)
+
+
+def test_grad_stats_edge_cases(interpret):
+    # lengths that are not multiples of ALIGN, a tail past the last full block, an empty buffer
+    for n in (1, 15, 17, 128, 129, 300):
+        g = torch.randn(n, generator=gen(n))
+        for backend in ("torch", "triton"):
+            found, sumsq = grad_stats_([g, torch.zeros(0)], backend=backend)
+            assert found.item() == 0.0
+            assert sumsq.item() == pytest.approx(float((g.double() ** 2).sum()), rel=2e-6)
+    g = torch.zeros(300)
+    g[299] = float("nan")
+    assert grad_stats_(g, backend="triton")[0].item() == 1.0
+
+
+# ----------------------------------------------------------------------------- bad inputs
+
+def test_adam_flat_bad_inputs():
+    n = 64
+    seg = AdamSegments.uniform(n, 0.0, "cpu")
+    ok = {"param": torch.zeros(n), "grad": torch.zeros(n), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}
+
+    def call(**kw):
+        a = {**ok, **{k: v for k, v in kw.items() if k in ok}}
+        extra = {k: v for k, v in kw.items() if k not in ok}
+        args = {**step_args(1), "segments": seg, "backend": "torch", **extra}
+        adam_flat_(a["param"], a["grad"], a["exp_avg"], a["exp_avg_sq"], **args)
+
+    call()
+    cases = [
+        ({"param": torch.zeros(n, dtype=torch.float64)}, "param has dtype"),
+        ({"grad": torch.zeros(n, dtype=torch.int32)}, "grad has dtype"),
+        ({"exp_avg": torch.zeros(n, dtype=torch.bfloat16)}, "exp_avg has dtype"),
+        ({"exp_avg_sq": torch.zeros(n + 1)}, "exp_avg_sq has 65 elements"),
+        ({"grad": torch.zeros(8, 8)}, "1-D contiguous"),
+        ({"param": torch.zeros(2 * n)[::2]}, "1-D contiguous"),
+        ({"out_lowp": torch.zeros(n)}, "out_lowp has dtype"),
+        ({"out_lowp": torch.zeros(n - 1, dtype=torch.bfloat16)}, "out_lowp has 63"),
+        ({"mode": "sgd"}, "mode must be"),
+        ({"backend": "cuda"}, "backend must be"),
+        ({"lr": 1e-3}, "lr must be a 1-element tensor"),
+        ({"step": torch.tensor([1.0, 2.0])}, "step must have 1 element"),
+        ({"lr": torch.tensor(1e-3, device="meta")}, "lr is on meta"),
+        ({"grad_scale": torch.tensor(True)}, "grad_scale has dtype"),
+        ({"beta1": torch.tensor(0.9)}, "beta1 must be a Python number"),
+        ({"segments": [(0, n, 0.0)]}, "segments must be an AdamSegments"),
+        ({"segments": AdamSegments.uniform(n + 1, 0.0, "cpu")}, "reach element 65"),
+        ({"segments": AdamSegments.uniform(n, 0.0, "meta")}, "segments are on meta"),
+        ({"grad": torch.zeros(n, device="meta")}, "grad is on meta"),
+        ({"exp_avg": ok["param"]}, "share memory"),
+    ]
+    for kw, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call(**kw)
+
+
+def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    seg = AdamSegments.uniform(4, 0.0, "cpu")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        adam_flat_(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), seg, **step_args(1),
+                   backend="triton")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        grad_stats_([torch.zeros(4)], backend="triton")
+
+
+def test_without_triton(monkeypatch):
+    monkeypatch.setattr(ga, "_triton", lambda: None)
+    seg = AdamSegments.uniform(4, 0.0, "cpu")
+    args = (torch.zeros(4), torch.ones(4), torch.zeros(4), torch.zeros(4), seg)
+    with pytest.raises(ImportError, match="triton does not import"):
+        adam_flat_(*args, **step_args(1), backend="triton")
+    adam_flat_(*args, **step_args(1), backend="auto")  # the torch backend
+    assert args[0].ne(0).all()
+    assert not ga.triton_available()
+
+
+def test_grad_stats_bad_inputs():
+    with pytest.raises(ValueError, match="empty"):
+        grad_stats_([])
+    with pytest.raises(ValueError, match="dtype"):
+        grad_stats_([torch.zeros(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="contiguous"):
+        grad_stats_([torch.zeros(4, 4).t()])
+    with pytest.raises(ValueError, match="grads\\[1\\] is on meta"):
+        grad_stats_([torch.zeros(3), torch.zeros(3, device="meta")])
+    with pytest.raises(ValueError, match="scale must be"):
+        grad_stats_([torch.zeros(3)], 2.0)
+
+
+# ----------------------------------------------------------------------------- CUDA (compiled kernels)
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ga.triton_available()), reason="needs CUDA + triton")
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["adamw", "adam"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_triton_bitwise_equals_torch_fused(mode, grad_dtype, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dev = "cuda"
+    n = 3_000_017
+    runs = [(3, 1_000_000, 0.1), (1_000_003, 999_997, 0.0), (2_000_000, 1_000_010, 0.05)]
+    seg = AdamSegments.build(runs, dev)
+    p0 = torch.randn(n, device=dev)
+    tp, tm, tv = p0.clone(), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    rp, rm, rv = p0.clone(), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    out = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    scale = torch.tensor(3.0, device=dev)
+    for t in range(1, 4):
+        g = torch.randn(n, device=dev).to(grad_dtype)
+        adam_flat_(tp, g, tm, tv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, out_lowp=out,
+                   backend="triton")
+        adam_flat_(rp, g, rm, rv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, backend="torch")
+    for got, want, what in ((tp, rp, "param"), (tm, rm, "exp_avg"), (tv, rv, "exp_avg_sq")):
+        assert_bits_equal(got.cpu(), want.cpu(), what)
+    covered = torch.cat([torch.arange(s, s + k) for s, k, _ in runs]).to(dev)
+    assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
+
+
+@cuda
+def test_cuda_grad_stats_matches_torch(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    grads = [torch.randn(1_000_003, device="cuda"), torch.randn(77_777, device="cuda").to(torch.bfloat16)]
+    ref = [g.clone() for g in grads]
+    scale = torch.tensor(1024.0, device="cuda")
+    f1, s1 = grad_stats_(grads, scale, backend="triton")
+    f2, s2 = grad_stats_(ref, scale, backend="torch")
+    assert f1.item() == f2.item() == 0.0
+    assert s1.item() == pytest.approx(s2.item(), rel=1e-5)
+    for a, b in zip(grads, ref):
+        assert_bits_equal(a.cpu(), b.cpu(), "unscaled")
+
+
+# ----------------------------------------------------------------------------- benchmark smoke test
+
+def test_benchmark_runs_on_cpu(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_gpu_adam", os.path.join(REPO, "benchmarks", "gpu_adam.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    bench.main(["--device", "cpu", "--numel", "1000000", "--backend", "torch", "--repeats", "3", "--warmup", "1",
+                "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| case" in text and "max abs diff" in text
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    assert any(r["case"].startswith("copy") for r in rows) and all(r["ms"] > 0 for r in rows)
