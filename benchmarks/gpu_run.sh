@@ -20,7 +20,8 @@ NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
 export OMP_NUM_THREADS=$(( $(nproc) / (NGPU > 0 ? NGPU : 1) ))
 run() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v "Warning\|warn(" ; }
 if [[ $PARTS == *kernels* ]]; then
-  run kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_adam.py tests/test_cpu_adam.py tests/test_shard_fused_update.py
+  # (CPU-side tests that fork ranks are left to CI: after a CUDA backward in the same process, fork is unsafe)
+  run kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_adam.py tests/test_cpu_adam.py
   run gpu_adam 180 python3 benchmarks/gpu_adam.py --json "$OUT/gpu_adam.json"
 fi
 if [[ $PARTS == *equiv* ]] && [ "$NGPU" -ge 2 ]; then

@@ -381,7 +381,9 @@ def _kernels(interpret: bool) -> types.SimpleNamespace:
     g = dict(globals(), tl=tl_, libdevice=libdevice_)
     for name in _TRITON_FUNCS:
         fn = globals()[name]
-        g[name] = triton.jit(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__))
+        copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__annotations__ = fn.__annotations__  # the tl.constexpr marks: FunctionType drops them
+        g[name] = triton.jit(copy)
     del interpret  # the cache key only: triton.jit reads TRITON_INTERPRET itself
     return types.SimpleNamespace(adam_kernel=g["_adam_kernel"], stats_kernel=g["_stats_kernel"])
 
@@ -850,8 +852,9 @@ def _stats_kernel(g_ptr, n, part_ptr, flag_ptr, scale_ptr, KIND: tl.constexpr, H
         inv = _div(1.0, tl.load(scale_ptr).to(tl.float32), PTX)  # torch: float(1 / double(scale)), the same
     else:
         inv = 1.0
-    acc = tl.full([BLOCK], 0.0, tl.float32)
-    bad = tl.full([BLOCK], 0, tl.int32)
+    lanes = tl.arange(0, BLOCK)
+    acc = (lanes * 0).to(tl.float32)  # zeros of [BLOCK]: tl.full([BLOCK], ...) fails to compile on triton 3.6
+    bad = lanes * 0
     for k in range(ITERS):
         offs = base + k * BLOCK + tl.arange(0, BLOCK)
         acc, bad = _stats_block(g_ptr, offs, offs < n_al, acc, bad, inv, KIND, HAS_SCALE)
