@@ -116,11 +116,13 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=True)
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
-    phase_times = []
+    phase_times, ahead = [], []
 
     def one(i):
         nonlocal state
         state, metrics = step(state, batch(args, i, device))
+        if "offload_ahead" in metrics:
+            ahead.append(bool(metrics["offload_ahead"]))
         return metrics["loss"]
 
     def after_step():
@@ -142,6 +144,8 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=True)
     elif args.profile:
         for i in range(3):
             one(args.warmup + args.steps + i)
+    if ahead:  # steps whose host update ran during backward
+        result["offload_ahead"] = sum(ahead[args.warmup:]) / max(1, len(ahead[args.warmup:]))
     if phase_times:
         t = phase_times[args.warmup:]
         result["phases_ms"] = {name: statistics.median(x[j] for x in t)
@@ -267,6 +271,11 @@ def main():
     p.add_argument("--profile", action="store_true", help="profile 3 extra zfunc steps (rank 0 prints a table)")
     args = p.parse_args()
     args.micro_batch = args.micro_batch or SHAPES[args.model][3]
+    if os.environ.get("GPT_ZERO_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.DEBUG if int(os.environ.get("LOCAL_RANK", 0)) == 0 else logging.WARNING)
+        logging.getLogger("zfunc").setLevel(logging.DEBUG)
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
@@ -302,7 +311,8 @@ def main():
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
-                + (f"  fwd {ph['forward']:.1f} bwd {ph['backward']:.1f} opt {ph['optimizer+gather']:.1f}" if ph else ""))
+                + (f"  fwd {ph['forward']:.1f} bwd {ph['backward']:.1f} opt {ph['optimizer+gather']:.1f}" if ph else "")
+                + (f"  ahead {r['offload_ahead']:.0%}" if "offload_ahead" in r else ""))
         except Exception as err:  # keep going: one broken contender must not lose the table
             results[name] = {"error": f"{type(err).__name__}: {err}"}
             log(f"{name:18s} FAILED {type(err).__name__}: {str(err)[:300]}")

@@ -455,7 +455,7 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and ga.triton_available
 @cuda
 @pytest.mark.parametrize("mode", ["adamw", "adam"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_cuda_triton_bitwise_equals_torch_fused(mode, grad_dtype, monkeypatch):
+def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     dev = "cuda"
     n = 3_000_017
@@ -471,8 +471,10 @@ def test_cuda_triton_bitwise_equals_torch_fused(mode, grad_dtype, monkeypatch):
         adam_flat_(tp, g, tm, tv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, out_lowp=out,
                    backend="triton")
         adam_flat_(rp, g, rm, rv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, backend="torch")
+    # Not bit for bit: torch 2.11's CUDA kernel does some of this arithmetic in double (its
+    # hyperparameters are doubles), ours in float32 like its CPU kernel. Within a few float32 ulps.
     for got, want, what in ((tp, rp, "param"), (tm, rm, "exp_avg"), (tv, rv, "exp_avg_sq")):
-        assert_bits_equal(got.cpu(), want.cpu(), what)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=what)
     covered = torch.cat([torch.arange(s, s + k) for s, k, _ in runs]).to(dev)
     assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
 

@@ -603,9 +603,16 @@ def _stats_torch(grads, scale):
         if g.numel():
             by_dtype.setdefault(g.dtype, []).append(g)
     norms = []
-    for group in by_dtype.values():
-        # checks each element before multiplying (with inv == 1 it rewrites the same values)
-        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+    for dtype, group in by_dtype.items():
+        if dtype == torch.bfloat16 and device.type == "cuda":
+            # torch's fused unscale has no bf16 CUDA kernel: the same steps, one tensor at a time
+            for g in group:
+                found = torch.maximum(found, (~torch.isfinite(g)).any().to(torch.float32))
+                if scale is not None:
+                    g.mul_(inv)  # float math, rounded back to bf16 to nearest even
+        else:
+            # checks each element before multiplying (with inv == 1 it rewrites the same values)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
         norms.extend(torch._foreach_norm(group, 2, dtype=torch.float32))
     if not norms:
         return found, torch.zeros((), dtype=torch.float32, device=device)

@@ -375,7 +375,9 @@ def _host_span(like: dict[str, torch.Tensor], keys: list[str], start: int, lengt
 
 def copy_grouped(tensors: dict[str, torch.Tensor], moves) -> dict[str, torch.Tensor]:
     """Host copies (pinned, non-blocking) of the tensors ``moves`` selects; others as they are."""
-    out = {k: t for k, t in tensors.items() if not moves(t) or not t.numel()}
+    out = {k: t for k, t in tensors.items() if not moves(t)}
+    # Empty ones (a rank's empty slice of a parameter) still move: one device per dict.
+    out.update({k: torch.empty(t.shape, dtype=t.dtype) for k, t in tensors.items() if k not in out and not t.numel()})
     pin = torch.cuda.is_available()
     for keys, start, length in _spans({k: t for k, t in tensors.items() if k not in out}):
         if start is None:

@@ -32,7 +32,9 @@ Adam/AdamW without a clip, whose norm needs every gradient first.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -42,6 +44,7 @@ from zfunc.optim.fused import FusedAdam
 from zfunc.transforms.shard_layout import contiguous_runs, span_of
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+log = logging.getLogger("zfunc.offload")
 
 
 class Spares:
@@ -104,6 +107,7 @@ class UpdateAhead:
         self.lowp_out = spares.lowp(master, lowp) if lowp is not None else None
         self.done: set[str] = set()
         self.active, self.error = True, None
+        self.busy_s = 0.0  # time the worker spent in jobs (kernel and waiting for copies)
 
     # -- during backward (autograd's thread) ----------------------------------
     def on_grads(self, grads: dict[str, torch.Tensor], wait: Callable[[], None]) -> None:
@@ -144,14 +148,20 @@ class UpdateAhead:
             self.active, self.error = False, err
 
     def _update(self, grads, host, wait, event) -> None:
+        start = time.perf_counter()
         if wait is not None:
             wait()
         if event is not None:
             event.synchronize()
+        copied = time.perf_counter()
         adam_over_runs(self.kernel, self.fused, list(grads), self.master, host, 1.0, self.lowp_out,
                        (self.new_master, self.new_mu, self.new_nu), self.threads)
         with self.lock:
             self.done.update(grads)
+        end = time.perf_counter()
+        self.busy_s += end - start
+        log.debug("update ahead: %d tensors, waited %.1f ms for the copy, kernel %.1f ms",
+                  len(grads), 1e3 * (copied - start), 1e3 * (end - copied))
 
     # -- after backward and at apply_gradients (the main thread) ---------------
     def seal(self) -> None:
@@ -179,18 +189,26 @@ class UpdateAhead:
 
     def claim(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The host gradients to update with, if ``grads`` are exactly what the guess used; else None."""
+        waited = time.perf_counter()
         self.finish()
+        log.debug("update ahead: %.1f ms of host work, %.1f ms of it after backward",
+                  1e3 * self.busy_s, 1e3 * (time.perf_counter() - waited))
         if self.error is not None:
+            log.warning("offload: the host update ahead failed (%r); updating after backward instead",
+                        self.error)
             return None
         wanted = {k for k, g in grads.items() if g.numel()}
         if wanted != set(self.master) - {k for k, t in self.master.items() if not t.numel()} \
                 or wanted != self.done:
+            log.debug("update ahead not used: gradients of %d parameters never announced",
+                      len(wanted - self.done))
             return None
         for k in wanted:
             g, seen = grads[k], self.seen[k]
             if not (g is seen or (g.data_ptr() == seen.data_ptr() and g.shape == seen.shape
                                   and g.dtype == seen.dtype and g.stride() == seen.stride())) \
                     or g._version != self.versions.get(k):
+                log.debug("update ahead not used: the step changed the gradient of %r", k)
                 return None
         return {k: self.host_grads.get(k, g) for k, g in grads.items()}
 
@@ -206,6 +224,7 @@ class UpdateAhead:
                    and grads[k] is claimed[k] for k in params)
         if not same or fused.weight_decay != f.weight_decay or not torch.equal(fused.lr, f.lr) \
                 or not torch.equal(fused.step, f.step):
+            log.debug("update ahead not used: the optimizer, its state or the master differ")
             return None
         empty = [k for k, t in params.items() if not t.numel()]  # nothing to update; keep as they are
         new_params = {k: (params[k] if k in empty else self.new_master[k]) for k in params}
