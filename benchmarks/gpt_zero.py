@@ -33,8 +33,7 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "medium": (1024, 24, 16, 8),
     "1.3b": (2048, 24, 16, 4),
 }
-ALL = ["zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s2-offload", "zfunc-s3-offload",
-       "zfunc-s2-offload-serial",
+ALL = ["floor", "zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s2-offload", "zfunc-s3-offload",
        "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
 
 
@@ -266,7 +265,8 @@ def main():
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--contenders", default="all", help="comma list from: " + ",".join(ALL + ["floor"]))
+    p.add_argument("--contenders", default="all",
+                   help="comma list from: " + ",".join(ALL) + " (zfunc-sK-offload-overlap: offload(overlap=True))")
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true", help="profile 3 extra zfunc steps (rank 0 prints a table)")
     args = p.parse_args()
@@ -301,7 +301,7 @@ def main():
             elif name.startswith("zfunc-s"):
                 r = run_zfunc(args, int(name[7]), "offload" in name, device,
                               reshard="recompute" if name.endswith("recompute") else "release",
-                              overlap=not name.endswith("serial"))
+                              overlap=name.endswith("overlap"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:

@@ -36,6 +36,6 @@ if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL 300 torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
-    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s2-offload,zfunc-s2-offload-serial,ds-z2,ds-z2-offload} \
+    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s2-offload,zfunc-s2-offload-overlap,ds-z2,ds-z2-offload} \
     --json "$OUT/single_$MODEL.json" ${PROFILE:+--profile}
 fi

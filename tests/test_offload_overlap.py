@@ -99,3 +99,29 @@ def test_clip_needs_every_gradient_first():
 def test_overlap_argument_is_checked():
     with pytest.raises(ValueError, match="overlap"):
         offload(lambda s, b: (s, {}), overlap="yes")
+
+
+def _accumulated(overlap: bool):
+    from zfunc.transforms import accumulate
+
+    inner, state = build("adamw")
+    step = shard(offload(mixed_precision(accumulate(inner, micro_batches=2), "bf16"), overlap=overlap), stage=2)
+    state = step.init(state)
+    flags = []
+    for i in range(STEPS):
+        state, metrics = step(state, local_batch(i, *rank_and_world()))
+        flags.append(bool(metrics["offload_ahead"]))
+    return to_numpy(step.gather(state)), flags
+
+
+def _accumulated_both():
+    return _accumulated(True), _accumulated(False)
+
+
+def test_micro_batches_below_offload_are_never_guessed():
+    # accumulate inside offload: one gradient call, two backward passes; each unit is
+    # announced twice, so the guess is dropped (and not tried again).
+    (on, on_flags), (off, _) = run_distributed(_accumulated_both, 2)[0]
+    assert on_flags == [False] * STEPS
+    for k in on:
+        assert (on[k] == off[k]).all(), k

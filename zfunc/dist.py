@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import torch
 import torch.distributed as dist
@@ -80,8 +81,8 @@ class CommCounter:
     def wait_pending(self) -> None:
         """Block (the host on gloo, the current stream on NCCL) until every pending collective is done."""
         while self.pending:
-            work, finish = self.pending.pop(0)
-            work.wait()
+            ready, finish = self.pending.pop(0)
+            ready()
             finish()
 
     @property
@@ -126,13 +127,14 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
         # Asynchronous: the caller gets the result now and must not read it
         # before counter.wait_pending() (shard does so when backward ends).
         work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
+        ready = ReadyOnce(work, out.device)
         if out.dtype == full.dtype:
-            counter.pending.append((work, lambda: None))
+            counter.pending.append((ready, lambda: None))
             _wait_when_backward_ends(counter)
-            counter.announce(tag, out, work.wait)
+            counter.announce(tag, out, ready)
             return out
         result = full.new_empty(out.numel())
-        counter.pending.append((work, lambda: result.copy_(out)))  # back to the gradient's dtype once landed
+        counter.pending.append((ready, lambda: result.copy_(out)))  # back to the gradient's dtype once landed
         _wait_when_backward_ends(counter)
         return result
     _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
@@ -144,6 +146,35 @@ def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter |
 
 def _ready() -> None:
     """The ``wait`` of a result that is already final."""
+
+
+class ReadyOnce:
+    """``wait`` for an asynchronous collective that several streams (or threads) may call.
+
+    A work's ``wait()`` is not idempotent: on NCCL only its first call makes
+    the calling stream wait (a second caller's stream would read the result
+    too early), and on gloo every call bumps the result's version counter.
+    So the work is waited once; on CUDA an event recorded right after on that
+    caller's stream is what later callers' streams wait for.
+    """
+
+    def __init__(self, work, device: torch.device) -> None:
+        self.work, self.cuda = work, device.type == "cuda"
+        self.event = None
+        self.lock = threading.Lock()
+        self.waited = False
+
+    def __call__(self) -> None:
+        with self.lock:
+            if not self.waited:
+                self.work.wait()
+                if self.cuda:
+                    self.event = torch.cuda.Event()
+                    self.event.record()
+                self.waited = True
+                return
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
 
 
 def all_gather_json(obj, group: Group) -> list:

@@ -56,8 +56,9 @@ def main():
     failures = 0
     variants = {
         "plain": lambda s: s,
-        "offload": offload,  # on CUDA: host update overlapped with backward from step 2 on
-        "offload-after-backward": lambda s: offload(s, overlap=False),
+        "offload": offload,
+        "offload-overlapped": lambda s: offload(s, overlap=True),  # host update during backward
+        "offload+accumulate-overlapped": lambda s: offload(accumulate(s, micro_batches=2), overlap=True),
         "accumulate": lambda s: accumulate(s, micro_batches=2),
         "offload+accumulate": lambda s: offload(accumulate(s, micro_batches=2)),
     }
@@ -88,7 +89,7 @@ def main():
                           f"comm {metrics['comm_elements']} update ahead {ahead}", flush=True)
             # The overlapped host update is the update after backward, bit for bit.
             if "offload" in variants:
-                a, b = finals[(dtype, stage, "offload")], finals[(dtype, stage, "offload-after-backward")]
+                a, b = finals[(dtype, stage, "offload")], finals[(dtype, stage, "offload-overlapped")]
                 same = all(torch.equal(a[k], b[k]) for k in a)
                 failures += not same
                 if rank == 0:

@@ -107,6 +107,7 @@ class UpdateAhead:
         self.lowp_out = spares.lowp(master, lowp) if lowp is not None else None
         self.done: set[str] = set()
         self.active, self.error = True, None
+        self.repeated = False  # some gradient was announced twice: no guess this step
         self.busy_s = 0.0  # time the worker spent in jobs (kernel and waiting for copies)
 
     # -- during backward (autograd's thread) ----------------------------------
@@ -116,6 +117,11 @@ class UpdateAhead:
             return
         try:
             grads = {k: g for k, g in grads.items() if g.numel() and k in self.master}
+            if any(k in self.seen for k in grads):
+                # A second backward in one gradient call (micro-batches accumulated
+                # below offload): the update needs their sum, which comes later.
+                self.active, self.repeated = False, True
+                return
             if not grads or any(g.dtype not in GRAD_DTYPES for g in grads.values()):
                 return
             event = None
@@ -136,8 +142,7 @@ class UpdateAhead:
                 wait = None
             else:
                 # Host and device coincide: the kernel reads them where they are. Wait
-                # here, not in the worker: a gloo wait bumps the tensors' version
-                # counters, which must be final by `seal`.
+                # here, not in the worker, so that every wait is over by `seal`.
                 wait()
                 wait, host = None, grads
             with self.lock:
@@ -193,6 +198,9 @@ class UpdateAhead:
         self.finish()
         log.debug("update ahead: %.1f ms of host work, %.1f ms of it after backward",
                   1e3 * self.busy_s, 1e3 * (time.perf_counter() - waited))
+        if self.repeated:
+            log.debug("update ahead not used: several backward passes in one gradient call")
+            return None
         if self.error is not None:
             log.warning("offload: the host update ahead failed (%r); updating after backward instead",
                         self.error)
