@@ -236,6 +236,9 @@ def run_deepspeed(args, stage, use_offload, device):
 
 
 def time_steps(args, one, after_step=lambda: None):
+    # Peak memory is reported above what was allocated when the contender started (0 when the
+    # previous contenders freed everything), so one contender's leftovers never count for the next.
+    baseline = args.allocated_before
     times, loss = [], None
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
@@ -253,8 +256,9 @@ def time_steps(args, one, after_step=lambda: None):
     median = statistics.median(timed)
     return {"median_ms": 1e3 * median, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
             "tokens_per_s": world * args.micro_batch * args.seq / median,
-            "peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_alloc_gib": (torch.cuda.max_memory_allocated() - baseline) / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "allocated_before_gib": baseline / 2**30,
             "loss": float(loss) / world}
 
 
@@ -291,6 +295,7 @@ def main():
         f"{time.strftime('%Y-%m-%d %H:%M')}")
     results = {}
     for name in names:
+        args.allocated_before = torch.cuda.memory_allocated()
         try:
             if name == "floor":
                 r = run_floor(args, device)

@@ -7,8 +7,9 @@ adds the full transfer and the full host update (~28 bytes of host memory
 traffic per parameter) to every step. `UpdateAhead` instead, for each unit
 as `shard` announces it (the ``watch_gradients`` primitive):
 
-1. on a side CUDA stream, waits for the reduction and copies the unit's
-   gradient shard into pinned host memory (no host sync);
+1. once the reduction has landed (checked when the next unit's is issued),
+   copies the unit's gradient shard into pinned host memory on a side CUDA
+   stream (no host sync);
 2. on one worker thread, waits for that copy and runs the fused CPU Adam
    kernel for the unit, writing the new master, moments and compute copy into
    *spare* buffers; the GIL is released inside the kernel, so the main thread
@@ -108,6 +109,7 @@ class UpdateAhead:
         self.done: set[str] = set()
         self.active, self.error = True, None
         self.repeated = False  # some gradient was announced twice: no guess this step
+        self.waiting: tuple | None = None  # the last CUDA announcement, copied at the next one
         self.busy_s = 0.0  # time the worker spent in jobs (kernel and waiting for copies)
 
     # -- during backward (autograd's thread) ----------------------------------
@@ -117,40 +119,58 @@ class UpdateAhead:
             return
         try:
             grads = {k: g for k, g in grads.items() if g.numel() and k in self.master}
-            if any(k in self.seen for k in grads):
+            announced = set(self.seen) | (set(self.waiting[0]) if self.waiting is not None else set())
+            if any(k in announced for k in grads):
                 # A second backward in one gradient call (micro-batches accumulated
                 # below offload): the update needs their sum, which comes later.
                 self.active, self.repeated = False, True
                 return
             if not grads or any(g.dtype not in GRAD_DTYPES for g in grads.values()):
                 return
-            event = None
             if next(iter(grads.values())).is_cuda:
-                from zfunc.transforms.offload import copy_grouped  # noqa: PLC0415
-
-                device = next(iter(grads.values())).device
-                if self.stream is None:
-                    self.stream = torch.cuda.Stream(device)
-                self.stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(self.stream):
-                    wait()
-                    host = copy_grouped(grads, lambda t: True)
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                for g in grads.values():
-                    g.record_stream(self.stream)  # read on our stream: not to be reused before the copy
-                wait = None
-            else:
-                # Host and device coincide: the kernel reads them where they are. Wait
-                # here, not in the worker, so that every wait is over by `seal`.
-                wait()
-                wait, host = None, grads
-            with self.lock:
-                self.seen.update(grads)
-                self.host_grads.update(host)
-            self.jobs.append(self.executor.submit(self._update, grads, host, wait, event))
+                # Copied one announcement late (see `_copy_to_host`).
+                previous, self.waiting = self.waiting, (grads, wait)
+                if previous is not None:
+                    self._copy_to_host(*previous)
+                return
+            # Host and device coincide: the kernel reads them where they are. Wait
+            # here, not in the worker, so that every wait is over by `seal`.
+            wait()
+            self._submit(grads, grads, None)
         except Exception as err:  # noqa: BLE001 - a failed guess must not break the step
             self.active, self.error = False, err
+
+    def _copy_to_host(self, grads: dict[str, torch.Tensor], wait: Callable[[], None]) -> None:
+        """Start the copy of a unit's reduced gradients to the host, on a side stream.
+
+        ``wait()`` runs on the *current* stream (backward's), never on the side
+        stream: an NCCL work's first wait also hands the buffers it read back
+        to the caching allocator, for reuse by the stream that made them; had
+        only the side stream waited, backward's stream could overwrite them
+        while the reduction still reads them. Waiting for a unit's reduction
+        when the *next* unit's is issued costs backward nothing (it has long
+        landed by then), and the copy still runs while backward goes on.
+        """
+        from zfunc.transforms.offload import copy_grouped  # noqa: PLC0415
+
+        device = next(iter(grads.values())).device
+        wait()
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            host = copy_grouped(grads, lambda t: True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for g in grads.values():
+            g.record_stream(self.stream)  # read on our stream: not to be reused before the copy
+        self._submit(grads, host, event)
+
+    def _submit(self, grads, host, event) -> None:
+        with self.lock:
+            self.seen.update(grads)
+            self.host_grads.update(host)
+        self.jobs.append(self.executor.submit(self._update, grads, host, None, event))
 
     def _update(self, grads, host, wait, event) -> None:
         start = time.perf_counter()
@@ -176,6 +196,12 @@ class UpdateAhead:
         from its own thread around completion.) A later in-place change by
         the step shows as a new version at `claim`.
         """
+        if self.waiting is not None and self.active:  # the last unit announced
+            try:
+                self._copy_to_host(*self.waiting)
+            except Exception as err:  # noqa: BLE001
+                self.active, self.error = False, err
+        self.waiting = None
         with self.lock:
             self.versions = {k: g._version for k, g in self.seen.items()}
         # Gradients announced from now on (stage 1 reduces after backward) come
