@@ -316,6 +316,7 @@ def main():
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
+                + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  fwd {ph['forward']:.1f} bwd {ph['backward']:.1f} opt {ph['optimizer+gather']:.1f}" if ph else "")
                 + (f"  ahead {r['offload_ahead']:.0%}" if "offload_ahead" in r else ""))
         except Exception as err:  # keep going: one broken contender must not lose the table
