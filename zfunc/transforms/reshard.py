@@ -20,6 +20,8 @@ does not see an in-place change). Inside a `torch.func` transform or a
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -42,11 +44,10 @@ class ReleasedBuffer:
         # no backward node left that reads the parameters' values.
         self.events_needed, self.events = 1, 0
         if full.requires_grad:
-            full.register_hook(self._parameters_grad_ready)
-
-    def _parameters_grad_ready(self, grad):
-        self.backward_event()
-        return grad
+            # Through a weak reference: a hook that held this buffer would close a cycle
+            # (tensor -> its autograd node -> hook -> buffer -> tensor) that runs through
+            # C++, where Python's garbage collector cannot see it, leaking the graph.
+            full.register_hook(functools.partial(_parameters_grad_ready, weakref.ref(self)))
 
     def backward_event(self) -> None:
         self.events += 1
@@ -84,6 +85,13 @@ class ReleasedBuffer:
             prefetch.result()
             guard.__exit__(None, None, None)
             self.pending = None
+
+
+def _parameters_grad_ready(buffer_ref, grad):
+    buffer = buffer_ref()
+    if buffer is not None:
+        buffer.backward_event()
+    return grad
 
 
 def around_block(buffer: ReleasedBuffer, body, block_params: dict, args: tuple, kwargs: dict,
