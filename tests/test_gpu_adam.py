@@ -471,10 +471,14 @@ def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
         adam_flat_(tp, g, tm, tv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, out_lowp=out,
                    backend="triton")
         adam_flat_(rp, g, rm, rv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, backend="torch")
-    # Not bit for bit: torch 2.11's CUDA kernel does some of this arithmetic in double (its
-    # hyperparameters are doubles), ours in float32 like its CPU kernel. Within a few float32 ulps.
+    # Not bit for bit on the H200 run (2/3 of the elements an ulp or so apart): torch 2.11's CUDA
+    # kernel takes its hyperparameters as doubles. Bounded by a few float32 ulps of the value and
+    # of the largest update (lr), which is what a reordering of the same float math can cost.
     for got, want, what in ((tp, rp, "param"), (tm, rm, "exp_avg"), (tv, rv, "exp_avg_sq")):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=what)
+        diff = (got - want).abs()
+        bound = 8 * torch.finfo(torch.float32).eps * (want.abs() + (LR if what == "param" else want.abs().max()))
+        worst = (diff / bound).max().item()
+        assert worst <= 1.0, f"{what}: worst element {worst:.2f}x the few-ulp bound; max abs diff {diff.max().item():.3e}"
     covered = torch.cat([torch.arange(s, s + k) for s, k, _ in runs]).to(dev)
     assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
 
