@@ -1,4 +1,5 @@
-"""Low-level kernels (numba on the CPU). Depends on numpy/numba/torch only, nothing of zfunc above.
+"""Low-level kernels (numba on the CPU, Triton on the GPU). Depend on numpy/numba/torch (and
+triton, imported only when a GPU kernel runs), nothing of zfunc above.
 
 Attributes load lazily, so ``import zfunc.kernels`` costs nothing until a kernel is used:
 
@@ -6,13 +7,17 @@ Attributes load lazily, so ``import zfunc.kernels`` costs nothing until a kernel
   CPU buffers, bitwise equal to ``torch.optim.AdamW(fused=True)``, optionally writing the
   bf16/fp16 copy of the new parameters in the same pass.
 * :mod:`zfunc.kernels.bits`: bf16/fp16 <-> fp32 bit conversions for numba code.
+* :mod:`zfunc.kernels.gpu_adam`: ``adam_flat_`` (one Triton launch of Adam/AdamW over a flat
+  buffer, a per-chunk weight-decay table, grads in their own dtype, optional bf16/fp16 copy-out),
+  ``grad_stats_`` (unscale + finite check + sum of squares in one pass), each with a pure-torch
+  fallback used off the GPU; ``adam_`` there wraps torch's multi-tensor fused kernel.
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["adam_", "adamw_", "bits", "cpu_adam"]
+__all__ = ["adam_", "adamw_", "bits", "cpu_adam", "gpu_adam"]
 
 _LAZY = {"adamw_": "cpu_adam", "adam_": "cpu_adam"}
 
@@ -20,7 +25,7 @@ _LAZY = {"adamw_": "cpu_adam", "adam_": "cpu_adam"}
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    if name in ("cpu_adam", "bits"):
+    if name in ("cpu_adam", "bits", "gpu_adam"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
