@@ -81,7 +81,6 @@ import itertools
 import math
 import operator
 import os
-import types
 from collections.abc import Sequence
 
 import torch
@@ -362,37 +361,6 @@ def _pick_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-@functools.cache
-def _kernels(interpret: bool) -> types.SimpleNamespace:
-    """The Triton kernels, compiled from the plain functions at the end of this module.
-
-    ``triton.jit`` decides at decoration time whether a kernel runs in Triton's interpreter
-    (``TRITON_INTERPRET``), so decorating happens here, once per setting, and not at import:
-    importing this module never imports triton. Each set gets its own globals (``tl``,
-    ``libdevice`` and the jitted helpers under the names the kernels call them by).
-    """
-    triton = _triton()
-    import triton.language as tl_
-
-    try:
-        from triton.language.extra import libdevice as libdevice_
-    except ImportError:  # older triton: the generic libdevice lived under tl.math
-        libdevice_ = tl_.math
-    g = dict(globals(), tl=tl_, libdevice=libdevice_)
-    for name in _TRITON_FUNCS:
-        fn = globals()[name]
-        copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-        copy.__annotations__ = fn.__annotations__  # the tl.constexpr marks: FunctionType drops them
-        g[name] = triton.jit(copy)
-    del interpret  # the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"], stats_kernel=g["_stats_kernel"])
-
-
-def _ptx(interpret: bool) -> bool:
-    """Whether the kernels may use inline PTX (NVIDIA, compiled; not ROCm, not the interpreter)."""
-    return not interpret and torch.version.hip is None
-
-
 def _launch(device: torch.device):
     """Context: make ``device`` current for the launch (Triton launches on the current device)."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
@@ -475,8 +443,10 @@ def _number(x, name: str) -> float:
 
 def _adam_triton(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, eps, mode, grad_scale,
                  out_lowp, found_inf):
+    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
+
     interp = _interpreting()
-    k = _kernels(interp)
+    k = kernels(interp)
     cfg = TRITON_CONFIG
     block = int(cfg["adam_block"])
     out_kind = 0 if out_lowp is None else (1 if out_lowp.dtype == torch.bfloat16 else 2)
@@ -488,7 +458,7 @@ def _adam_triton(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, 
             lr, step, grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
             beta1, beta2, eps,
             ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
-            OUT_KIND=out_kind, INTERPRET=interp, PTX=_ptx(interp), BLOCK=block, ITERS=-(-seg.chunk // block),
+            OUT_KIND=out_kind, INTERPRET=interp, PTX=ptx(interp), BLOCK=block, ITERS=-(-seg.chunk // block),
             ALIGN=ALIGN, num_warps=int(cfg["adam_warps"]))
 
 
@@ -620,8 +590,10 @@ def _stats_torch(grads, scale):
 
 
 def _stats_triton(grads, scale):
+    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
+
     interp = _interpreting()
-    k = _kernels(interp)
+    k = kernels(interp)
     cfg = TRITON_CONFIG
     block, iters = int(cfg["stats_block"]), int(cfg["stats_iters"])
     device = grads[0].device
@@ -646,7 +618,7 @@ def _stats_triton(grads, scale):
             k.stats_kernel[(p,)](
                 g.view(torch.int16) if kind == 1 else g, g.numel(), partials[off:], flags[off:],
                 scale if scale is not None else partials,
-                KIND=kind, HAS_SCALE=scale is not None, PTX=_ptx(interp), BLOCK=block, ITERS=iters, ALIGN=ALIGN,
+                KIND=kind, HAS_SCALE=scale is not None, PTX=ptx(interp), BLOCK=block, ITERS=iters, ALIGN=ALIGN,
                 num_warps=int(cfg["stats_warps"]))
             off += p
     return flags.amax().to(torch.float32), partials.sum()
@@ -678,195 +650,3 @@ def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[
     kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr.to(device=device, dtype=torch.float32),
            beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
            grad_scale=scale)
-
-
-# ----------------------------------------------------------------------------- Triton kernels
-#
-# Plain functions: ``_kernels()`` jits them with ``tl`` and ``libdevice`` bound (they are None
-# here). Notes that hold throughout:
-#   * divisions and square roots go through ``_div`` / ``_sqrt``: IEEE, subnormals kept (PTX
-#     ``div.rn.f32`` / ``sqrt.rn.f32``), as in torch's kernels, built without fast-math. On NVIDIA
-#     GPUs Triton's ``/`` is ``div.full.f32`` and ``tl.sqrt`` is ``sqrt.approx.f32`` (a few ulp
-#     off), and ``tl.div_rn`` / ``tl.sqrt_rn`` become the ``.ftz`` forms (Triton 3.5).
-#   * ``tl.fma`` wherever torch's kernel has an fma (explicit, or contracted by nvcc), and no
-#     multiply feeding an add anywhere else, so Triton's own contraction changes nothing.
-#   * no jitted functions of triton's standard library (tl.zeros, tl.sum, tl.cdiv, ...): those were
-#     jitted when triton was imported, so if that happened without TRITON_INTERPRET, the
-#     interpreter cannot call them; builtins (tl.full, tl.reduce, tl.where, ...) work either way.
-#   * bf16 is stored as bits rounded here (``_bf16_bits``): the interpreter's float32 -> bf16
-#     cast truncates, this gives the same bits in the interpreter and on the GPU.
-
-tl = libdevice = None  # bound to triton.language / its libdevice in _kernels()
-
-_TRITON_FUNCS = ("_add", "_max", "_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update",
-                 "_adam_kernel", "_stats_block", "_stats_kernel")
-
-
-def _add(a, b):
-    return a + b
-
-
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-def _div(a, b, PTX: tl.constexpr):
-    """a / b, IEEE round to nearest, subnormals kept (what torch's CUDA kernel computes)."""
-    if PTX:
-        # tl.div_rn lowers to div.rn.ftz.f32 (Triton 3.5), which flushes subnormal inputs and
-        # results to zero; say exactly which instruction we mean
-        return tl.inline_asm_elementwise("div.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        return tl.div_rn(a, b)
-
-
-def _sqrt(x, PTX: tl.constexpr):
-    """sqrt(x), IEEE round to nearest, subnormals kept (tl.sqrt_rn: sqrt.rn.ftz.f32)."""
-    if PTX:
-        return tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        return tl.sqrt_rn(x)
-
-
-def _bf16_bits(x):
-    """float32 -> bfloat16 bits (int16), round to nearest even; every NaN -> 0x7FFF (CUDA's)."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # a carry out of the mantissa bumps the exponent: right
-    r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
-    return r.to(tl.uint16).to(tl.int16, bitcast=True)
-
-
-def _bf16_bits_to_f32(b):
-    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-def _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, mask, wd, lr_wd, gs, beta1, beta2, eps, step_size,
-                 bc2_sqrt, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr, OUT_KIND: tl.constexpr,
-                 PTX: tl.constexpr):
-    """One block of elements; the math of torch's ``adam_math`` (module docstring)."""
-    p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask)
-    v = tl.load(v_ptr + offs, mask=mask)
-    if HAS_SCALE:
-        g = _div(g, gs, PTX)
-    # torch skips the decay when wd == 0: p*0 would turn an inf param into NaN
-    if ADAMW:
-        p = tl.where(wd != 0.0, tl.fma(-lr_wd, p, p), p)
-    else:
-        g = tl.where(wd != 0.0, tl.fma(p, wd, g), g)
-    m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-    g2 = g * g
-    v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
-    denom = _div(_sqrt(v, PTX), bc2_sqrt, PTX) + eps
-    p = p - _div(step_size * m, denom, PTX)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if OUT_KIND == 1:
-        tl.store(o_ptr + offs, _bf16_bits(p), mask=mask)
-    elif OUT_KIND == 2:
-        tl.store(o_ptr + offs, p.to(tl.float16), mask=mask)  # RNE (cvt.rn.f16.f32; numpy when interpreted)
-
-
-def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_ptr, lr_ptr, step_ptr,
-                 scale_ptr, found_ptr, beta1, beta2, eps, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_FOUND: tl.constexpr, OUT_KIND: tl.constexpr, INTERPRET: tl.constexpr,
-                 PTX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
-    """Program ``pid`` updates chunk ``pid`` of the table: ``[start, start + length)``, with
-    ``length <= ITERS * BLOCK``, in masked steps of BLOCK elements: as many as the chunk needs (the
-    short head/tail chunks of runs take one), or in the interpreter always ITERS (it cannot loop to a
-    bound loaded from memory with numpy >= 2.4, nor to an assigned one: it turns every assigned
-    value into a tensor, hence the inline conditional)."""
-    pid = tl.program_id(0)
-    lo = tl.load(starts_ptr + pid)
-    n = tl.load(lengths_ptr + pid)
-    if HAS_FOUND:  # a skipped step is an empty chunk: every access masked, nothing read or written
-        n = tl.where(tl.load(found_ptr) == 0, n, 0)
-    wd = tl.load(wd_ptr + pid)
-    # per-program scalars, as torch computes them per tensor: everything float32
-    lr = tl.load(lr_ptr).to(tl.float32)
-    t = tl.load(step_ptr).to(tl.float32)
-    if INTERPRET:
-        # no libdevice in the interpreter: powf via float64 (correctly rounded but for rare ties)
-        b1t = tl.exp2(t.to(tl.float64) * tl.log2(tl.full((), beta1, tl.float32).to(tl.float64)))
-        b2t = tl.exp2(t.to(tl.float64) * tl.log2(tl.full((), beta2, tl.float32).to(tl.float64)))
-        b1t = b1t.to(tl.float32)
-        b2t = b2t.to(tl.float32)
-    else:
-        b1t = libdevice.pow(beta1, t)  # __nv_powf: the powf torch's CUDA kernel calls
-        b2t = libdevice.pow(beta2, t)
-    step_size = _div(lr, 1.0 - b1t, PTX)
-    bc2_sqrt = _sqrt(1.0 - b2t, PTX)
-    lr_wd = lr * wd
-    if HAS_SCALE:
-        gs = tl.load(scale_ptr).to(tl.float32)
-    else:
-        gs = 1.0
-    if (lo % ALIGN == 0) & (n % ALIGN == 0):
-        # recomputed as multiples of ALIGN so the compiler can prove 16-byte alignment of every
-        # block and a constant mask over each group of ALIGN lanes: vector loads and stores
-        base = lo // ALIGN * ALIGN
-        end = base + n // ALIGN * ALIGN
-        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
-            offs = base + k * BLOCK + tl.arange(0, BLOCK)
-            _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
-                         beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
-    else:
-        end = lo + n
-        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
-            offs = lo + k * BLOCK + tl.arange(0, BLOCK)
-            _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
-                         beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
-
-
-def _stats_block(g_ptr, offs, mask, acc, bad, inv, KIND: tl.constexpr, HAS_SCALE: tl.constexpr):
-    raw = tl.load(g_ptr + offs, mask=mask, other=0)
-    if KIND == 1:
-        x = _bf16_bits_to_f32(raw)
-    else:
-        x = raw.to(tl.float32)
-    u = x.to(tl.uint32, bitcast=True)
-    bad = bad | (((u >> 23) & 0xFF) == 0xFF).to(tl.int32)  # exponent all ones: inf or NaN
-    if HAS_SCALE:
-        y = x * inv
-        if KIND == 0:
-            tl.store(g_ptr + offs, y, mask=mask)
-        elif KIND == 1:
-            bits = _bf16_bits(y)
-            tl.store(g_ptr + offs, bits, mask=mask)
-            y = _bf16_bits_to_f32(bits)
-        else:
-            h = y.to(tl.float16)
-            tl.store(g_ptr + offs, h, mask=mask)
-            y = h.to(tl.float32)
-    else:
-        y = x
-    return acc + y * y, bad  # masked lanes load 0 and add 0
-
-
-def _stats_kernel(g_ptr, n, part_ptr, flag_ptr, scale_ptr, KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  PTX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
-    """Program ``pid`` reduces ``[pid * BLOCK * ITERS, ...)`` to a partial sum of squares and a
-    non-finite flag. The aligned loop stops at the last multiple of ALIGN (vector accesses); the
-    last program also takes the ``n % ALIGN`` elements after it."""
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * (BLOCK * ITERS)
-    n_al = n // ALIGN * ALIGN
-    if HAS_SCALE:
-        inv = _div(1.0, tl.load(scale_ptr).to(tl.float32), PTX)  # torch: float(1 / double(scale)), the same
-    else:
-        inv = 1.0
-    lanes = tl.arange(0, BLOCK)
-    acc = (lanes * 0).to(tl.float32)  # zeros of [BLOCK]: tl.full([BLOCK], ...) fails to compile on triton 3.6
-    bad = lanes * 0
-    for k in range(ITERS):
-        offs = base + k * BLOCK + tl.arange(0, BLOCK)
-        acc, bad = _stats_block(g_ptr, offs, offs < n_al, acc, bad, inv, KIND, HAS_SCALE)
-    if pid == tl.num_programs(0) - 1:
-        offs = n_al + tl.arange(0, BLOCK)
-        acc, bad = _stats_block(g_ptr, offs, offs < n, acc, bad, inv, KIND, HAS_SCALE)
-    tl.store(part_ptr + pid, tl.reduce(acc, 0, _add))
-    tl.store(flag_ptr + pid, tl.reduce(bad, 0, _max))
