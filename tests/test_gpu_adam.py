@@ -471,12 +471,15 @@ def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
         adam_flat_(tp, g, tm, tv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, out_lowp=out,
                    backend="triton")
         adam_flat_(rp, g, rm, rv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, backend="torch")
-    # Not bit for bit on the H200 run (2/3 of the elements an ulp or so apart): torch 2.11's CUDA
-    # kernel takes its hyperparameters as doubles. Bounded by a few float32 ulps of the value and
-    # of the largest update (lr), which is what a reordering of the same float math can cost.
+    # Not bit for bit on the H200 (benchmarks/gpu_adam.py: moments identical, parameters an ulp
+    # apart in 23% of elements): torch 2.11's CUDA kernel takes its hyperparameters as doubles.
+    # Bounded by a few float32 ulps of what was added (|p| before and after, and lr): a result that
+    # nearly cancels keeps the absolute rounding of its inputs.
+    eps32 = torch.finfo(torch.float32).eps
     for got, want, what in ((tp, rp, "param"), (tm, rm, "exp_avg"), (tv, rv, "exp_avg_sq")):
         diff = (got - want).abs()
-        bound = 8 * torch.finfo(torch.float32).eps * (want.abs() + (LR if what == "param" else want.abs().max()))
+        scale = (p0.abs() + want.abs() + LR) if what == "param" else want.abs().max().expand_as(want)
+        bound = 8 * eps32 * scale
         worst = (diff / bound).max().item()
         assert worst <= 1.0, f"{what}: worst element {worst:.2f}x the few-ulp bound; max abs diff {diff.max().item():.3e}"
     covered = torch.cat([torch.arange(s, s + k) for s, k, _ in runs]).to(dev)

@@ -69,6 +69,9 @@ class ModelCall:
     # own forward, so a block recomputed in backward sees them too.
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     recompute_required: set[str] = dataclasses.field(default_factory=set)
+    # {block name: its block_param_names}, kept by the functional model across calls: finding
+    # them walks the block's modules, which shard would otherwise do per unit per forward.
+    block_names: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     def wrap_block(self, name: str, wrapper: BlockWrapper,
                    kind: Literal["materialize", "around"] = "around") -> None:
@@ -89,7 +92,9 @@ class ModelCall:
 
     def block_param_names(self, name: str) -> dict[str, str]:
         """``{local name: params key}`` of the trainable parameters of block ``name``."""
-        return block_param_names(self.model, name, self.aliases)
+        if name not in self.block_names:
+            self.block_names[name] = block_param_names(self.model, name, self.aliases)
+        return self.block_names[name]
 
 
 def block_param_names(model: nn.Module, name: str, aliases: dict[str, str]) -> dict[str, str]:
@@ -114,6 +119,7 @@ class FunctionalModel:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.aliases: dict[str, str] = {}
+        self._block_names: dict[str, dict[str, str]] = {}  # block_param_names, found once per block
         canonical_of: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if not p.requires_grad:
@@ -123,7 +129,7 @@ class FunctionalModel:
                            if p.requires_grad}
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        call = ModelCall(self.model, params, args, kwargs, self.aliases)
+        call = ModelCall(self.model, params, args, kwargs, self.aliases, block_names=self._block_names)
         return dispatch("apply", run_model_call, call)
 
     def release_module_params(self) -> None:

@@ -184,11 +184,16 @@ class ShardLayout:
     units: tuple[UnitLayout, ...]
 
     def unit_of(self) -> dict[str, UnitLayout]:
+        """``{param key: its unit}`` (built once; the layout is immutable)."""
+        return self._unit_of
+
+    @functools.cached_property
+    def _unit_of(self) -> dict[str, UnitLayout]:
         return {key: unit for unit in self.units for key in unit.keys}
 
-    @property
-    def keys(self) -> set[str]:
-        return {k for u in self.units for k in u.keys}
+    @functools.cached_property
+    def keys(self) -> frozenset[str]:
+        return frozenset(k for u in self.units for k in u.keys)
 
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
