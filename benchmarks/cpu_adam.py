@@ -44,23 +44,11 @@ sys.path.insert(0, REPO)
 
 
 def import_cpu_adam():
-    """``zfunc.kernels.cpu_adam``; if the ``zfunc`` package itself cannot be imported here (its
-    other dependencies, e.g. optree, missing on a bare GPU box), load just the kernels layer,
-    which needs only numpy/numba/torch, under stub parent packages."""
-    try:
-        from zfunc.kernels import cpu_adam
-        return cpu_adam
-    except ImportError as e:
-        import importlib
-        import types
-        print(f"note: 'import zfunc' failed ({e}); loading zfunc/kernels alone", file=sys.stderr)
-        for name in [k for k in sys.modules if k == "zfunc" or k.startswith("zfunc.")]:
-            del sys.modules[name]
-        for name, path in (("zfunc", ["zfunc"]), ("zfunc.kernels", ["zfunc", "kernels"])):
-            mod = types.ModuleType(name)
-            mod.__path__ = [os.path.join(REPO, *path)]
-            sys.modules[name] = mod
-        return importlib.import_module("zfunc.kernels.cpu_adam")
+    """``zfunc.kernels.cpu_adam`` (see `kernel_import`)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_import import import_kernel_module
+
+    return import_kernel_module("cpu_adam")
 
 
 # ----------------------------------------------------------------------------- reference kernels

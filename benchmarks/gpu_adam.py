@@ -44,22 +44,11 @@ N_TENSORS = 100
 
 
 def import_gpu_adam():
-    """``zfunc.kernels.gpu_adam``; if ``zfunc`` itself does not import here (optree missing on a
-    bare GPU box), load the kernels layer alone under stub parent packages."""
-    try:
-        from zfunc.kernels import gpu_adam
-        return gpu_adam
-    except ImportError as e:
-        import importlib
-        import types
-        print(f"note: 'import zfunc' failed ({e}); loading zfunc/kernels alone", file=sys.stderr)
-        for name in [k for k in sys.modules if k == "zfunc" or k.startswith("zfunc.")]:
-            del sys.modules[name]
-        for name, path in (("zfunc", ["zfunc"]), ("zfunc.kernels", ["zfunc", "kernels"])):
-            mod = types.ModuleType(name)
-            mod.__path__ = [os.path.join(REPO, *path)]
-            sys.modules[name] = mod
-        return importlib.import_module("zfunc.kernels.gpu_adam")
+    """``zfunc.kernels.gpu_adam`` (see `kernel_import`)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kernel_import import import_kernel_module
+
+    return import_kernel_module("gpu_adam")
 
 
 def log(msg: str):
