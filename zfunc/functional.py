@@ -72,6 +72,8 @@ class ModelCall:
     # {block name: its block_param_names}, kept by the functional model across calls: finding
     # them walks the block's modules, which shard would otherwise do per unit per forward.
     block_names: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    # {block name: whether one tensor appears under two names inside it}, kept likewise.
+    block_tied: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     def wrap_block(self, name: str, wrapper: BlockWrapper,
                    kind: Literal["materialize", "around"] = "around") -> None:
@@ -95,6 +97,16 @@ class ModelCall:
         if name not in self.block_names:
             self.block_names[name] = block_param_names(self.model, name, self.aliases)
         return self.block_names[name]
+
+    def block_has_ties(self, name: str) -> bool:
+        """Whether block ``name`` holds one tensor under two names (then swapping its params in
+        must re-tie them, which walks the block's modules; most blocks need not)."""
+        if name not in self.block_tied:
+            block = self.model.get_submodule(name)
+            named = list(block.named_parameters(remove_duplicate=False)) + \
+                list(block.named_buffers(remove_duplicate=False))
+            self.block_tied[name] = len({id(t) for _, t in named}) < len(named)
+        return self.block_tied[name]
 
 
 def block_param_names(model: nn.Module, name: str, aliases: dict[str, str]) -> dict[str, str]:
@@ -120,6 +132,7 @@ class FunctionalModel:
         self.model = model
         self.aliases: dict[str, str] = {}
         self._block_names: dict[str, dict[str, str]] = {}  # block_param_names, found once per block
+        self._block_tied: dict[str, bool] = {}  # ModelCall.block_has_ties, found once per block
         canonical_of: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if not p.requires_grad:
@@ -129,7 +142,8 @@ class FunctionalModel:
                            if p.requires_grad}
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        call = ModelCall(self.model, params, args, kwargs, self.aliases, block_names=self._block_names)
+        call = ModelCall(self.model, params, args, kwargs, self.aliases, block_names=self._block_names,
+                         block_tied=self._block_tied)
         return dispatch("apply", run_model_call, call)
 
     def release_module_params(self) -> None:
@@ -211,7 +225,7 @@ def run_model_call(call: ModelCall) -> Any:
             override.uninstall()
 
 
-def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict) -> Any:
+def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, tied: bool = True) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
     ``forward`` itself, not ``block(...)``: the parent's call of the block
@@ -219,11 +233,13 @@ def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict)
     not run them again). ``_reparametrize_module`` is what
     `torch.func.functional_call` uses inside; it is private, so if a torch
     lacks it we fall back to functional_call (hooks then run twice).
+    ``tied``: whether the block holds a tensor under two names; only then are
+    ties re-established (that walks every module of the block, per call).
     """
     reparametrize = getattr(torch.nn.utils.stateless, "_reparametrize_module", None)
     if reparametrize is None:
         return torch.func.functional_call(block, block_params, args, kwargs, strict=False)
-    with reparametrize(block, block_params, tie_weights=True, strict=False):
+    with reparametrize(block, block_params, tie_weights=tied, strict=False):
         return type(block).forward(block, *args, **kwargs)
 
 
@@ -246,6 +262,7 @@ class _BlockOverride:
         self.call, self.name = call, name
         self.block = call.model.get_submodule(name)
         self.param_names = call.block_param_names(name)
+        self.tied = call.block_has_ties(name)
         prefix = f"{name}."
         self.constants = {n[len(prefix):]: t for n, t in call.constants.items() if n.startswith(prefix)}
         wrappers = list(call.block_wrappers[name])
@@ -264,7 +281,7 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs)
+            return _call_block(self.block, block_params, args, kwargs, self.tied)
         finally:
             self._inside = was_inside
 
