@@ -148,17 +148,19 @@ class UnitLayout:
 
 
 class _FlatViews(torch.autograd.Function):
-    """Per-parameter views of a unit's flat buffer; backward concatenates their gradients once."""
+    """Per-parameter views of a unit's flat buffer; backward concatenates their gradients once.
+
+    The ``forward(ctx, ...)`` form: it is never used under torch.func (see
+    `differentiable_views`), and unlike the ``setup_context`` form its
+    ``apply`` does not bind arguments through ``inspect.signature`` on every
+    call.
+    """
 
     @staticmethod
-    def forward(flat: torch.Tensor, unit: UnitLayout):
-        return tuple(unit.full_views(flat).values())
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        flat, ctx.unit = inputs
-        ctx.dtype, ctx.device = flat.dtype, flat.device
+    def forward(ctx, flat: torch.Tensor, unit: UnitLayout):
+        ctx.unit, ctx.dtype, ctx.device = unit, flat.dtype, flat.device
         ctx.set_materialize_grads(False)  # a parameter the model did not use gets None, not zeros
+        return tuple(unit.full_views(flat).values())
 
     @staticmethod
     def backward(ctx, *grads):
