@@ -13,9 +13,6 @@ Three entry points:
   per element: read fp32, write 16-bit).
 * ``grad_stats_`` reads flat gradient buffers once: finite check, optional
   in-place unscale by a loss scale, and the sum of squares for clipping.
-* ``adam_`` (kept from before) runs torch's multi-tensor fused kernels
-  (``torch._fused_adam[w]_``, the kernels behind ``torch.optim.AdamW(fused=True)``)
-  over lists of tensors.
 
 The learning rate, step, gradient scale and found-inf flag are 0-d tensors on
 the device, read inside the kernels: nothing syncs with the host, and a CUDA
@@ -85,7 +82,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamSegments", "adam_",
+__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamSegments",
            "adam_flat_", "grad_stats_", "triton_available"]
 
 # Elements per row of the chunk table: one Triton program updates at most this many elements.
@@ -622,31 +619,3 @@ def _stats_triton(grads, scale):
                 num_warps=int(cfg["stats_warps"]))
             off += p
     return flags.amax().to(torch.float32), partials.sum()
-
-
-# ----------------------------------------------------------------------------- adam_ (multi-tensor)
-
-def adam_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
-          exp_avg_sqs: list[torch.Tensor], *, lr: torch.Tensor, step: torch.Tensor, beta1: float,
-          beta2: float, eps: float, weight_decay: float, mode: str = "adamw",
-          grad_scale: torch.Tensor | None = None) -> None:
-    """In-place fused update of fp32 CUDA tensors (all lists the same length and shapes), with
-    torch's multi-tensor kernels (a launch per few dozen tensors).
-
-    ``grad_scale``: gradients are divided by it first (a loss scale, or a gradient-clipping
-    divisor), inside the same kernel; like torch, the unscaled gradients are written back.
-    """
-    if mode not in ("adam", "adamw"):
-        raise ValueError(f"mode must be 'adam' or 'adamw', got {mode!r}")
-    if not params:
-        return
-    for name, group in (("params", params), ("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        if any(not t.is_cuda for t in group):
-            raise ValueError(f"adam_: {name} must be CUDA tensors; use zfunc.kernels.cpu_adam on the host")
-    device = params[0].device
-    steps = [step.to(device=device, dtype=torch.float32)] * len(params)
-    kernel = torch._fused_adamw_ if mode == "adamw" else torch._fused_adam_
-    scale = None if grad_scale is None else grad_scale.to(device=device, dtype=torch.float32).reshape(())
-    kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr.to(device=device, dtype=torch.float32),
-           beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-           grad_scale=scale)
