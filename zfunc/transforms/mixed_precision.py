@@ -479,6 +479,20 @@ def plain_compute_copy(master: dict[str, torch.Tensor], dtype: torch.dtype) -> d
     return {k: v.to(dtype) for k, v in master.items()}
 
 
+def written_compute_copy(written: dict[int, torch.Tensor], master: dict[str, torch.Tensor],
+                         dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """The compute copy a fused update already wrote, if it wrote all of it in ``dtype``.
+
+    ``written`` maps ``id(master tensor)`` to the copy written while updating
+    it (`shard`'s and `offload`'s kernels record theirs so); None if any is
+    missing, and the ``compute_copy`` handler then passes the call on.
+    """
+    copies = {k: written.get(id(t)) for k, t in master.items()}
+    if written and all(c is not None and c.dtype == dtype for c in copies.values()):
+        return copies
+    return None
+
+
 def policy_of(step: Callable) -> Policy | None:
     """The `Policy` of the `mixed_precision` transform in ``step``'s stack, if any.
 

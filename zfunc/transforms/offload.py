@@ -248,10 +248,10 @@ class offload(Transform):  # noqa: N801
 
     def compute_copy(self, next, master, dtype):
         """The compute copy the kernel wrote while updating ``master``, if it did; else cast."""
-        copies = {k: self._lowp_written.get(id(t)) for k, t in master.items()}
-        if all(c is not None and c.dtype == dtype for c in copies.values()):
-            return copies
-        return next(master, dtype)
+        from zfunc.transforms.mixed_precision import written_compute_copy  # noqa: PLC0415 (sibling)
+
+        copies = written_compute_copy(self._lowp_written, master, dtype)
+        return copies if copies is not None else next(master, dtype)
 
     def _compute_dtype(self) -> torch.dtype | None:
         from zfunc.transforms.mixed_precision import policy_of  # noqa: PLC0415

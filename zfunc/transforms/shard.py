@@ -427,11 +427,10 @@ class shard(Transform):  # noqa: N801
 
     def compute_copy(self, next, master, dtype):
         """The compute copy that `update_params` wrote while updating ``master``, if it did."""
-        written = self._call.lowp_written if self._call is not None else {}
-        copies = {k: written.get(id(t)) for k, t in master.items()}
-        if written and all(c is not None and c.dtype == dtype for c in copies.values()):
-            return copies
-        return next(master, dtype)
+        from zfunc.transforms.mixed_precision import written_compute_copy  # noqa: PLC0415 (sibling)
+
+        copies = written_compute_copy(self._call.lowp_written if self._call is not None else {}, master, dtype)
+        return copies if copies is not None else next(master, dtype)
 
     def apply_gradients(self, next, state, grads):
         call = self._active()
