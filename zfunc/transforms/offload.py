@@ -39,7 +39,8 @@ import torch
 
 from zfunc.interpret import Transform, dispatch
 from zfunc.optim.fused import FusedAdam
-from zfunc.transforms.update_ahead import Spares, UpdateAhead, adam_over_runs
+from zfunc.transforms.shard_layout import contiguous_runs, span_of
+from zfunc.transforms.update_ahead import Spares, UpdateAhead
 from zfunc.tree import tree_map_tensors
 
 
@@ -64,19 +65,19 @@ class offload(Transform):  # noqa: N801
     level = 1
 
     def __init__(self, step: Callable, optimizer: Literal["cpu", "cpu-pytree"] = "cpu",
-                 threads: int | None = None, overlap: bool | None = None) -> None:
+                 threads: int | None = None, overlap: bool = False) -> None:
         if optimizer not in ("cpu", "cpu-pytree"):
             raise ValueError(f"offload: optimizer must be 'cpu' or 'cpu-pytree', got {optimizer!r}")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ValueError(f"offload: threads must be a positive int or None, got {threads!r}")
-        if overlap not in (None, True, False):
-            raise ValueError(f"offload: overlap must be True, False or None (auto), got {overlap!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"offload: overlap must be True or False, got {overlap!r}")
         super().__init__(step)
         self.optimizer, self.threads = optimizer, threads
         # Off unless asked for: measured on an H200 box (BENCHMARKS.md), the host
         # update split by unit and written out of place ran ~2x slower than the
         # one in-place pass after backward, more than the overlap won back.
-        self.overlap = False if overlap is None else overlap
+        self.overlap = overlap
         # Across steps: spare host buffers and the worker thread of the update
         # ahead, and whether the last step computed gradients exactly once.
         self._spares = Spares()
@@ -150,7 +151,6 @@ class offload(Transform):  # noqa: N801
         if not (self.overlap and self._single_gradient_call and self.optimizer == "cpu"):
             return None
         from zfunc.interpret import transforms_of  # noqa: PLC0415
-        from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415
         from zfunc.transforms.mixed_precision import mixed_precision  # noqa: PLC0415
 
         if any(isinstance(t, mixed_precision) and t.scaling != "none" for t in transforms_of(self.step)):
@@ -167,7 +167,7 @@ class offload(Transform):  # noqa: N801
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zfunc-offload")
         threads = max(1, self.host_threads() - 1) if torch.cuda.is_available() else self.host_threads()
-        return UpdateAhead(fused, state.tx, master, lowp, threads, self._spares, self._executor, adamw_)
+        return UpdateAhead(fused, state.tx, master, lowp, threads, self._spares, self._executor)
 
     @staticmethod
     def _master_of(state) -> dict[str, torch.Tensor] | None:
@@ -204,11 +204,11 @@ class offload(Transform):  # noqa: N801
     def _apply_on_host(self, next, state, grads):
         self._claimed = self._ahead.claim(grads) if self._ahead is not None else None
         if self._claimed is not None:
-            host_grads = self._claimed  # already on the host, and already used
+            host_grads = self._claimed  # already on the host (claim waited for the copies), and already used
         else:
             host_grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
         own_master = state.extras.get("offload")
         inner = state.replace(params=own_master.master) if own_master is not None else state
         device_params = state.params
@@ -270,13 +270,40 @@ def kernel_update(tx, params: dict, grads: dict, opt_state, out_lowp: dict | Non
     tensor that receives the updated parameters in the same pass (the
     compute copy, rounded to nearest even exactly as ``.to()``).
     """
-    from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
-
     fused = FusedAdam.of(tx, opt_state, params)
     divisor = fused.grad_divisor(grads)
     grad_scale = 1.0 if divisor is None else float(divisor)
-    adam_over_runs(adamw_, fused, list(params), params, grads, grad_scale, out_lowp, None, None)
+    adam_over_runs(fused, list(params), params, grads, grad_scale, out_lowp, None, None)
     return params, fused.new_state()
+
+
+# ---------------------------------------------------------------------------
+# One kernel call per run of parameters, not per parameter: every call costs
+# ~50 us of Python holding the GIL, which the main thread needs to drive
+# backward. Under `shard` a unit's tensors are views of one flat buffer in
+# every operand, so a unit with one weight decay is one call. (A run is one
+# flat tensor to the kernel: its last ``numel % 8`` elements take torch's
+# scalar-tail rounding, as `torch._fused_adamw_` would give for the flat
+# buffer, where per parameter each one's tail would; an ulp apart at most.)
+
+
+def adam_over_runs(fused: FusedAdam, keys: list[str], params: dict, grads: dict, grad_scale: float,
+                   lowp: dict | None, into: tuple[dict, dict, dict] | None, threads: int | None) -> None:
+    """The fused CPU Adam/AdamW kernel over ``keys``, one call per run (see above).
+
+    ``into``: dicts of (param, exp_avg, exp_avg_sq) outputs, else in place.
+    """
+    from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
+
+    operands = [params, grads, fused.mu, fused.nu, *(into or ()), *([lowp] if lowp is not None else [])]
+    lr, step = float(fused.lr), int(fused.step)
+    for run in contiguous_runs([k for k in keys if params[k].numel()], operands, fused.weight_decay):
+        spans = [span_of(d, run) for d in operands]
+        p, g, m, v = spans[:4]
+        outputs = tuple(spans[4:7]) if into is not None else None
+        adamw_(p, g, m, v, lr=lr, beta1=fused.b1, beta2=fused.b2, eps=fused.eps,
+               weight_decay=fused.weight_decay[run[0]], step=step, mode=fused.mode, grad_scale=grad_scale,
+               out_lowp=spans[-1] if lowp is not None else None, num_threads=threads, into=outputs)
 
 
 def lowp_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -381,7 +408,8 @@ def copy_grouped(tensors: dict[str, torch.Tensor], moves) -> dict[str, torch.Ten
     """Host copies (pinned, non-blocking) of the tensors ``moves`` selects; others as they are."""
     out = {k: t for k, t in tensors.items() if not moves(t)}
     # Empty ones (a rank's empty slice of a parameter) still move: one device per dict.
-    out.update({k: torch.empty(t.shape, dtype=t.dtype) for k, t in tensors.items() if k not in out and not t.numel()})
+    out.update({k: torch.empty(t.shape, dtype=t.dtype)
+                for k, t in tensors.items() if k not in out and not t.numel()})
     pin = torch.cuda.is_available()
     for keys, start, length in _spans({k: t for k, t in tensors.items() if k not in out}):
         if start is None:

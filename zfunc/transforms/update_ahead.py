@@ -49,7 +49,6 @@ from typing import Callable
 import torch
 
 from zfunc.optim.fused import FusedAdam
-from zfunc.transforms.shard_layout import contiguous_runs, span_of
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 log = logging.getLogger("zfunc.offload")
@@ -98,10 +97,9 @@ class UpdateAhead:
     """One step's speculative host update (see the module docstring)."""
 
     def __init__(self, fused: FusedAdam, tx, master: dict[str, torch.Tensor], lowp: torch.dtype | None,
-                 threads: int, spares: Spares, executor: ThreadPoolExecutor,
-                 kernel: Callable) -> None:
+                 threads: int, spares: Spares, executor: ThreadPoolExecutor) -> None:
         self.fused, self.tx, self.master = fused, tx, master
-        self.threads, self.spares, self.executor, self.kernel = threads, spares, executor, kernel
+        self.threads, self.spares, self.executor = threads, spares, executor
         self.lowp_dtype = lowp
         self.stream: torch.cuda.Stream | None = None  # the side stream of the copies (made on first use)
         self.jobs: list[Future] = []
@@ -184,7 +182,9 @@ class UpdateAhead:
         if event is not None:
             event.synchronize()
         copied = time.perf_counter()
-        adam_over_runs(self.kernel, self.fused, list(grads), self.master, host, 1.0, self.lowp_out,
+        from zfunc.transforms.offload import adam_over_runs  # noqa: PLC0415 (offload imports this module)
+
+        adam_over_runs(self.fused, list(grads), self.master, host, 1.0, self.lowp_out,
                        (self.new_master, self.new_mu, self.new_nu), self.threads)
         with self.lock:
             self.done.update(grads)
@@ -273,31 +273,3 @@ class UpdateAhead:
         written = [*self.new_master.values(), *self.new_mu.values(), *self.new_nu.values()]
         self.spares.swap(read, written)
         return new_params, fused._replace(mu=mu, nu=nu).new_state(), self.lowp_out
-
-
-# ---------------------------------------------------------------------------
-# One kernel call per run of parameters, not per parameter: every call costs
-# ~50 us of Python holding the GIL, which the main thread needs to drive
-# backward. Under `shard` a unit's tensors are views of one flat buffer in
-# every operand, so a unit with one weight decay is one call. (A run is one
-# flat tensor to the kernel: its last ``numel % 8`` elements take torch's
-# scalar-tail rounding, as `torch._fused_adamw_` would give for the flat
-# buffer, where per parameter each one's tail would; an ulp apart at most.)
-
-
-def adam_over_runs(kernel, fused: FusedAdam, keys: list[str], params: dict, grads: dict, grad_scale: float,
-                   lowp: dict | None, into: tuple[dict, dict, dict] | None, threads: int | None) -> None:
-    """The fused Adam/AdamW kernel over ``keys``, one call per run (see above).
-
-    ``into``: dicts of (param, exp_avg, exp_avg_sq) outputs, else in place.
-    """
-    operands = [params, grads, fused.mu, fused.nu, *(into or ()), *([lowp] if lowp is not None else [])]
-    lr, step = float(fused.lr), int(fused.step)
-    for run in contiguous_runs([k for k in keys if params[k].numel()], operands, fused.weight_decay):
-        spans = [span_of(d, run) for d in operands]
-        p, g, m, v = spans[:4]
-        outputs = tuple(spans[4:7]) if into is not None else None
-        kernel(p, g, m, v, lr=lr, beta1=fused.b1, beta2=fused.b2, eps=fused.eps,
-               weight_decay=fused.weight_decay[run[0]], step=step, mode=fused.mode, grad_scale=grad_scale,
-               out_lowp=spans[-1] if lowp is not None else None, num_threads=threads, into=outputs)
-
