@@ -7,28 +7,21 @@ import importlib
 import weakref
 
 import pytest
-import torch
 
-import zfunc as zf
-from tests.models import TinyLM, lm_loss, make_batch
+from tests.models import make_batch
+from tests.shard_cases import build
 from zfunc.transforms import mixed_precision, shard
 
 reshard_module = importlib.import_module("zfunc.transforms.reshard")
 
 
-def _steps(reshard: str, buffers: list) -> weakref.ref:
-    torch.manual_seed(0)
-    apply_fn, params = zf.functional(TinyLM(width=32, hidden=64, depth=3, vocab=97))
-    loss_fn = lm_loss(apply_fn)
-
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    step = shard(mixed_precision(train_step, "bf16"), stage=3, reshard=reshard)
-    state = step.init(zf.TrainState.create({k: v.clone() for k, v in params.items()}, zf.optim.adamw(1e-3)))
+def _steps(reshard: str) -> weakref.ref:
+    """Three steps of stage 3; returns a weak reference to a moment of the final state."""
+    inner, state = build("adamw")
+    step = shard(mixed_precision(inner, "bf16"), stage=3, reshard=reshard)
+    state = step.init(state)
     for i in range(3):
-        state, _ = step(state, make_batch(8, seq=7, vocab=97, seed=i))
+        state, _ = step(state, make_batch(8, seed=i))
     return weakref.ref(next(iter(state.opt_state[0].mu.values())))
 
 
@@ -42,7 +35,7 @@ def test_nothing_of_a_step_outlives_it(reshard, monkeypatch):
         buffers.append((weakref.ref(self), weakref.ref(full)))
 
     monkeypatch.setattr(reshard_module.ReleasedBuffer, "__init__", tracking)
-    state_ref = _steps(reshard, buffers)
+    state_ref = _steps(reshard)
     gc.collect()
     assert state_ref() is None
     if reshard == "release":
