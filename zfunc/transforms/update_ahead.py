@@ -59,7 +59,7 @@ class Spares:
 
     ``twin(t)`` is a view laid out like ``t`` in a buffer as big as ``t``'s
     storage; after a step commits, the buffers it wrote hold the state and the
-    ones it read become their twins. ``lowp(key_tuple, ...)`` keeps the pinned
+    ones it read become their twins. ``lowp(params, dtype)`` keeps the pinned
     compute-copy buffers the kernel writes into.
     """
 
@@ -100,7 +100,6 @@ class UpdateAhead:
                  threads: int, spares: Spares, executor: ThreadPoolExecutor) -> None:
         self.fused, self.tx, self.master = fused, tx, master
         self.threads, self.spares, self.executor = threads, spares, executor
-        self.lowp_dtype = lowp
         self.stream: torch.cuda.Stream | None = None  # the side stream of the copies (made on first use)
         self.jobs: list[Future] = []
         self.lock = threading.Lock()
