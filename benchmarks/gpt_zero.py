@@ -65,7 +65,7 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=True):
+def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False):
     import zfunc as zf
     from zfunc.interpret import Transform
     from zfunc.transforms import mixed_precision, offload, shard
