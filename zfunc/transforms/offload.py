@@ -367,29 +367,13 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def _spans(tensors: dict[str, torch.Tensor]):
-    """Group tensors by storage; yield (keys, start, length) of gap-free spans, or single keys."""
-    by_storage: dict[int, list[str]] = {}
-    for key, t in tensors.items():
-        if t.numel():
-            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(key)
-    for keys in by_storage.values():
-        keys.sort(key=lambda k: tensors[k].storage_offset())
-        ts = [tensors[k] for k in keys]
-        start = ts[0].storage_offset()
-        end, contiguous = start, True
-        for t in ts:
-            contiguous &= t.is_contiguous() and t.storage_offset() == end and t.dtype == ts[0].dtype
-            end = t.storage_offset() + t.numel()
-        if contiguous and len(ts) > 1:
-            yield keys, start, end - start
+    """Yield (keys, start, length) of each gap-free span of views (`contiguous_runs`), or
+    ``([key], None, None)`` for a tensor that joins no other."""
+    for keys in contiguous_runs([k for k, t in tensors.items() if t.numel()], [tensors]):
+        if len(keys) > 1:
+            yield keys, tensors[keys[0]].storage_offset(), sum(tensors[k].numel() for k in keys)
         else:
-            for k in keys:
-                yield [k], None, None
-
-
-def _flat(t: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """The 1-D span ``[start, start+length)`` of ``t``'s storage, as a tensor."""
-    return t.new_empty(0).set_(t.untyped_storage(), start, (length,))
+            yield keys, None, None
 
 
 def _host_span(like: dict[str, torch.Tensor], keys: list[str], start: int, length: int,
@@ -416,9 +400,8 @@ def copy_grouped(tensors: dict[str, torch.Tensor], moves) -> dict[str, torch.Ten
             t = tensors[keys[0]]
             out[keys[0]] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
             continue
-        first = tensors[keys[0]]
-        host, views = _host_span(tensors, keys, start, length, first.dtype)
-        host.copy_(_flat(first, start, length), non_blocking=pin)
+        host, views = _host_span(tensors, keys, start, length, tensors[keys[0]].dtype)
+        host.copy_(span_of(tensors, keys), non_blocking=pin)
         out.update(views)
     return out
 
@@ -433,28 +416,26 @@ def write_grouped(fresh: dict[str, torch.Tensor], dest: dict[str, torch.Tensor])
         if start is None:
             dest[keys[0]].copy_(fresh[keys[0]], non_blocking=False)
             continue
-        first = dest[keys[0]]
-        source = _same_layout_span(fresh, keys, dest, start)
-        if source is not None:  # already one pinned buffer laid out like the destination
-            _flat(first, start, length).copy_(_flat(source, source.storage_offset(), length), non_blocking=pin)
+        if _same_layout_span(fresh, keys, dest, start):  # already one pinned buffer laid out like dest
+            span_of(dest, keys).copy_(span_of(fresh, keys), non_blocking=pin)
             continue
-        staging, views = _host_span(dest, keys, start, length, first.dtype)
+        staging, views = _host_span(dest, keys, start, length, dest[keys[0]].dtype)
         for k in keys:  # host-side copies (and casts) into one pinned buffer
             views[k].copy_(fresh[k])
-        _flat(first, start, length).copy_(staging, non_blocking=pin)
+        span_of(dest, keys).copy_(staging, non_blocking=pin)
 
 
-def _same_layout_span(fresh: dict, keys: list[str], dest: dict, start: int) -> torch.Tensor | None:
-    """``fresh[keys[0]]`` if ``fresh[keys]`` sit in one host buffer exactly as ``dest[keys]`` sit in theirs."""
+def _same_layout_span(fresh: dict, keys: list[str], dest: dict, start: int) -> bool:
+    """Whether ``fresh[keys]`` sit in one host buffer exactly as ``dest[keys]`` sit in theirs."""
     first = fresh[keys[0]]
     if first.device.type != "cpu" or not first.is_contiguous():
-        return None
+        return False
     base = first.storage_offset()
     storage = first.untyped_storage().data_ptr()
     for k in keys:
         f, d = fresh[k], dest[k]
         if (f.untyped_storage().data_ptr() != storage or f.dtype != d.dtype or not f.is_contiguous()
                 or f.storage_offset() - base != d.storage_offset() - start):
-            return None
-    return first
+            return False
+    return True
 
