@@ -7,10 +7,11 @@ Model: transformers' GPT2LMHeadModel from a config (random init, dropout 0),
 random tokens, sequence 1024, bf16 compute, AdamW (lr 1e-4, wd 0.1). Each
 contender starts from the same weights and sees the same batches, so the loss
 after the timed steps must agree. Reports median step time and spread,
-tokens/s (all ranks), peak allocated/reserved memory per GPU, and for zfunc
-per-phase times (forward, backward, optimizer+gather) from CUDA events
-recorded by a small observing transform. ``--nproc-per-node 1`` adds the
-single-GPU floor (bf16 params, fp32 master, torch fused AdamW).
+tokens/s (all ranks), peak allocated/reserved memory per GPU, and per-phase
+times (forward, backward, optimizer+gather) on the GPU and on the host
+(`PhaseClock`; zfunc's phases come from a small observing transform), which
+say whether a phase waits for the device or for Python. ``--nproc-per-node 1``
+adds the single-GPU floor (bf16 params, fp32 master, torch fused AdamW).
 """
 
 from __future__ import annotations
@@ -70,32 +71,26 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False
     from zfunc.interpret import Transform
     from zfunc.transforms import mixed_precision, offload, shard
 
-    class phases(Transform):  # noqa: N801 - observes the primitives with CUDA events
+    class phases(Transform):  # noqa: N801 - observes the primitives with a PhaseClock
         name, level = "phases", 9
 
         def __init__(self, step):
             super().__init__(step)
-            self.events = []
-
-        def _mark(self):
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.events.append(e)
+            self.clock = PhaseClock()
 
         def run(self, state, batch_):
-            self.events = []
-            self._mark()
+            self.clock.start()
             out = self.step(state, batch_)
-            self._mark()
+            self.clock.mark()
             return out
 
         def apply(self, next, call):
             out = next(call)
-            self._mark()  # end of the model's forward
+            self.clock.mark()  # end of the model's forward
             return out
 
         def apply_gradients(self, next, state, grads):
-            self._mark()  # end of backward (and reductions)
+            self.clock.mark()  # end of backward (and reductions)
             return next(state, grads)
 
     model = make_model(args).to(device)
@@ -115,7 +110,7 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
-    phase_times, ahead = [], []
+    ahead = []
 
     def one(i):
         nonlocal state
@@ -124,31 +119,10 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False
             ahead.append(bool(metrics["offload_ahead"]))
         return metrics["loss"]
 
-    def after_step():
-        ev = step.events
-        if len(ev) == 4:
-            torch.cuda.synchronize()
-            phase_times.append((ev[0].elapsed_time(ev[1]), ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])))
-
-    result = time_steps(args, one, after_step)
-    if args.profile and dist.get_rank() == 0:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for i in range(3):
-                one(args.warmup + args.steps + i)
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60),
-              flush=True)
-    elif args.profile:
-        for i in range(3):
-            one(args.warmup + args.steps + i)
+    result = time_steps(args, one, step.clock)
+    profile_steps(args, one)
     if ahead:  # steps whose host update ran during backward
         result["offload_ahead"] = sum(ahead[args.warmup:]) / max(1, len(ahead[args.warmup:]))
-    if phase_times:
-        t = phase_times[args.warmup:]
-        result["phases_ms"] = {name: statistics.median(x[j] for x in t)
-                               for j, name in enumerate(("forward", "backward", "optimizer+gather"))}
     return result
 
 
@@ -173,17 +147,22 @@ def run_fsdp2(args, device):
 def time_eager(args, model, device, autocast: bool):
     """An eager torch training loop (fused AdamW) over ``model``, timed like every contender."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    clock = PhaseClock()
 
     def one(i):
         tokens = batch(args, i, device)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        clock.mark()
         loss.backward()
+        clock.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return time_steps(args, one)
+    result = time_steps(args, one, clock)
+    profile_steps(args, one)
+    return result
 
 
 def run_floor(args, device):
@@ -193,11 +172,14 @@ def run_floor(args, device):
     model.to(torch.bfloat16)
     params = list(model.parameters())
     opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=True)
+    clock = PhaseClock()
 
     def one(i):
         tokens = batch(args, i, device)
         loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        clock.mark()
         loss.backward()
+        clock.mark()
         for m, p in zip(master, params):
             m.grad = p.grad.float()
             p.grad = None
@@ -206,7 +188,9 @@ def run_floor(args, device):
             torch._foreach_copy_(params, master)
         return loss.detach()
 
-    return time_steps(args, one)
+    result = time_steps(args, one, clock)
+    profile_steps(args, one)
+    return result
 
 
 def run_deepspeed(args, stage, use_offload, device):
@@ -221,32 +205,85 @@ def run_deepspeed(args, stage, use_offload, device):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1,
                                                          **({} if use_offload else {"torch_adam": True})}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    clock = PhaseClock()
 
     def one(i):
         tokens = batch(args, i, device)
         loss = lm_loss(engine(input_ids=tokens, use_cache=False).logits, tokens)
+        clock.mark()
         engine.backward(loss)
+        clock.mark()
         engine.step()
         return loss.detach()
 
-    return time_steps(args, one)
+    result = time_steps(args, one, clock)
+    profile_steps(args, one)
+    return result
 
 
 # --------------------------------------------------------------------------- timing
 
 
-def time_steps(args, one, after_step=lambda: None):
+class PhaseClock:
+    """Forward, backward and optimizer time of each step, on the GPU and on the host.
+
+    ``mark()`` at each phase boundary records a CUDA event and the host
+    clock. GPU time between two events is how long the device took for the
+    phase; host time is how long Python took to issue it. A phase whose GPU
+    time is barely above its host time is launch-bound: the device waited for
+    Python, and only less host work per step makes it faster.
+    """
+
+    NAMES = ("forward", "backward", "optimizer+gather")
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[torch.cuda.Event, float]] = []
+        self.gpu_ms: list[list[float]] = []
+        self.host_ms: list[list[float]] = []
+
+    def mark(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((event, time.perf_counter()))
+
+    def start(self) -> None:
+        self.marks = []
+        self.mark()
+
+    def finish(self) -> None:
+        """After the step synchronized: keep its phases (a step with other marks is dropped)."""
+        if len(self.marks) == 1 + len(self.NAMES):
+            pairs = list(zip(self.marks, self.marks[1:]))
+            self.gpu_ms.append([a.elapsed_time(b) for (a, _), (b, _) in pairs])
+            self.host_ms.append([1e3 * (tb - ta) for (_, ta), (_, tb) in pairs])
+        self.marks = []
+
+    def summary(self, skip: int) -> dict:
+        gpu, host = self.gpu_ms[skip:], self.host_ms[skip:]
+        if not gpu:
+            return {}
+        median = lambda rows, j: statistics.median(r[j] for r in rows)  # noqa: E731
+        return {"phases_ms": {n: median(gpu, j) for j, n in enumerate(self.NAMES)},
+                "host_ms": {n: median(host, j) for j, n in enumerate(self.NAMES)}}
+
+
+def time_steps(args, one, clock: PhaseClock | None = None):
     # Peak memory is reported above what was allocated when the contender started (0 when the
     # previous contenders freed everything), so one contender's leftovers never count for the next.
     baseline = args.allocated_before
     times, loss = [], None
     for i in range(args.warmup + args.steps):
         torch.cuda.synchronize()
+        if clock is not None:
+            clock.start()
         start = time.perf_counter()
         loss = one(i)
+        if clock is not None and len(clock.marks) == len(clock.NAMES):
+            clock.mark()  # the end of an eager step (zfunc's observer marks it itself)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        after_step()
+        if clock is not None:
+            clock.finish()
         if i == args.warmup - 1:
             torch.cuda.reset_peak_memory_stats()
     timed = times[args.warmup:]
@@ -259,7 +296,45 @@ def time_steps(args, one, after_step=lambda: None):
             "peak_alloc_gib": (torch.cuda.max_memory_allocated() - baseline) / 2**30,
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "allocated_before_gib": baseline / 2**30,
-            "loss": float(loss) / world}
+            "loss": float(loss) / world,
+            **(clock.summary(args.warmup) if clock is not None else {})}
+
+
+def profile_steps(args, one) -> None:
+    """``--profile``: torch.profiler over 3 more steps; ``--cprofile``: Python's profiler over them.
+
+    Every rank runs the steps (collectives must match); rank 0 prints.
+    """
+    if not (args.profile or args.cprofile):
+        return
+    steps = range(args.warmup + args.steps, args.warmup + args.steps + 3)
+    if dist.get_rank() != 0:
+        for i in steps:
+            one(i)
+        torch.cuda.synchronize()
+        return
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in steps:
+            one(i)
+        torch.cuda.synchronize()
+        profiler.disable()
+        stats = pstats.Stats(profiler, stream=sys.stdout)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumtime").print_stats("zfunc", 30)
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in steps:
+            one(i)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60),
+          flush=True)
 
 
 def main():
@@ -272,7 +347,9 @@ def main():
     p.add_argument("--contenders", default="all",
                    help="comma list from: " + ",".join(ALL) + " (zfunc-sK-offload-overlap: offload(overlap=True))")
     p.add_argument("--json")
-    p.add_argument("--profile", action="store_true", help="profile 3 extra zfunc steps (rank 0 prints a table)")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler over 3 extra steps (rank 0 prints the kernels by GPU time)")
+    p.add_argument("--cprofile", action="store_true", help="cProfile over 3 extra steps: where the host time goes")
     args = p.parse_args()
     args.micro_batch = args.micro_batch or SHAPES[args.model][3]
     if os.environ.get("GPT_ZERO_DEBUG"):
@@ -312,12 +389,13 @@ def main():
             else:
                 raise ValueError(f"unknown contender {name}")
             results[name] = r
-            ph = r.get("phases_ms")
+            ph, hs = r.get("phases_ms"), r.get("host_ms")
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
-                + (f"  fwd {ph['forward']:.1f} bwd {ph['backward']:.1f} opt {ph['optimizer+gather']:.1f}" if ph else "")
+                + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
+                   f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else "")
                 + (f"  ahead {r['offload_ahead']:.0%}" if "offload_ahead" in r else ""))
         except Exception as err:  # keep going: one broken contender must not lose the table
             results[name] = {"error": f"{type(err).__name__}: {err}"}

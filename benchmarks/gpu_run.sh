@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
-# the CPU Adam benchmark and the single-GPU offload comparison (PARTS picks; TAG names a repeat).
+# the CPU Adam benchmark and the single-GPU offload comparison (PARTS picks; TAG names a repeat;
+# PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each single-GPU contender).
 # Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh [medium] [steps]
 set -uo pipefail
@@ -35,7 +36,7 @@ if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
     --steps "$STEPS" --json "$OUT/table_$MODEL${TAG:-}.json" ${CONTENDERS:+--contenders $CONTENDERS}
 fi
 if [[ $PARTS == *single* ]]; then
-  run single_$MODEL 300 torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
+  run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
     --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s2-offload,zfunc-s2-offload-overlap,ds-z2,ds-z2-offload} \
-    --json "$OUT/single_$MODEL.json" ${PROFILE:+--profile}
+    --json "$OUT/single_$MODEL${TAG:-}.json" ${PROFILE:+--profile} ${CPROFILE:+--cprofile}
 fi

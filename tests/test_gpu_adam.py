@@ -157,7 +157,9 @@ def test_torch_backend_found_inf_skips_everything():
 # ----------------------------------------------------------------------------- numpy emulation of torch's CUDA kernel
 
 def cuda_adam_reference(p, g, m, v, runs, *, lr, t, mode, scale=None, fused=True):
-    """torch 2.13's fused_adam_utils.cuh ``adam_math`` for fp32 params, in numpy float32.
+    """The kernel's math, in numpy float32: torch's fused_adam_utils.cuh ``adam_math`` for fp32
+    params, except that the bias corrections 1 - β^t, the step size lr / (1 - β1^t) and
+    sqrt(1 - β2^t) are formed in float64 and rounded once.
 
     ``fused=False`` computes every fma as a rounded multiply and a rounded add, and powf via
     float64 exp2/log2, which is what the Triton interpreter does: the interpreted kernel must
@@ -176,9 +178,8 @@ def cuda_adam_reference(p, g, m, v, runs, *, lr, t, mode, scale=None, fused=True
     tf = np.float64(f(t))
     b1t = np.exp2(tf * np.log2(np.float64(b1))) if not fused else np.float64(b1) ** tf
     b2t = np.exp2(tf * np.log2(np.float64(b2))) if not fused else np.float64(b2) ** tf
-    bc1 = f(1) - f(b1t)
-    bc2s = np.sqrt(f(1) - f(b2t))
-    step_size = lr / bc1
+    step_size = f(np.float64(lr) / (1 - b1t))  # bias corrections in float64, as the kernel forms them
+    bc2s = f(np.sqrt(1 - b2t))
     for s, n, wd in runs:
         sl = slice(s, s + n)
         wd = f(wd)
@@ -205,6 +206,27 @@ def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         i = x.astype(np.float32).view(np.int32).astype(np.int64)
         return np.where(i < 0, -(i & 0x7FFFFFFF), i)
     return np.abs(key(a) - key(b))
+
+
+def adam_float64(p0, grads, runs, *, mode, lr, scale=None):
+    """Adam/AdamW in float64 over ``grads`` (one per step), hyperparameters rounded to float32
+    first (the values the kernels compute with): the exact result the float32 kernels round."""
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    b1, b2, eps, lr = f32(BETAS[0]), f32(BETAS[1]), f32(EPS), f32(lr)
+    p, m, v = p0.double().clone(), torch.zeros_like(p0, dtype=torch.float64), torch.zeros_like(p0, dtype=torch.float64)
+    wd = torch.zeros_like(p)
+    for s, n, w in runs:
+        wd[s:s + n] = f32(w)
+    for t, g in enumerate(grads, 1):
+        g = g.double() / (1.0 if scale is None else f32(scale))
+        if mode == "adamw":
+            p = p - lr * wd * p
+        else:
+            g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr / (1 - b1 ** t) * m / (v.sqrt() / (1 - b2 ** t) ** 0.5 + eps)
+    return p, m, v
 
 
 # ----------------------------------------------------------------------------- triton, interpreted
@@ -466,23 +488,30 @@ def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
     rp, rm, rv = p0.clone(), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
     out = torch.empty(n, device=dev, dtype=torch.bfloat16)
     scale = torch.tensor(3.0, device=dev)
+    grads = []
     for t in range(1, 4):
         g = torch.randn(n, device=dev).to(grad_dtype)
+        grads.append(g)
         adam_flat_(tp, g, tm, tv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, out_lowp=out,
                    backend="triton")
         adam_flat_(rp, g, rm, rv, seg, **step_args(t, dev), mode=mode, grad_scale=scale, backend="torch")
-    # Not bit for bit on the H200 (benchmarks/gpu_adam.py: moments identical, parameters an ulp
-    # apart in 23% of elements): torch 2.11's CUDA kernel takes its hyperparameters as doubles.
-    # Bounded by a few float32 ulps of what was added (|p| before and after, and lr): a result that
-    # nearly cancels keeps the absolute rounding of its inputs.
-    eps32 = torch.finfo(torch.float32).eps
-    for got, want, what in ((tp, rp, "param"), (tm, rm, "exp_avg"), (tv, rv, "exp_avg_sq")):
-        diff = (got - want).abs()
-        scale = (p0.abs() + want.abs() + LR) if what == "param" else want.abs().max().expand_as(want)
-        bound = 8 * eps32 * scale
-        worst = (diff / bound).max().item()
-        assert worst <= 1.0, f"{what}: worst element {worst:.2f}x the few-ulp bound; max abs diff {diff.max().item():.3e}"
+    # Judged against the exact math (float64, with the float32 values of the hyperparameters that
+    # both kernels use), not bit for bit against torch: torch 2.11's CUDA kernel mixes double
+    # hyperparameters into its float32 math, so the two differ by an ulp in ~23% of parameters
+    # (benchmarks/gpu_adam.py on an H200). Ours must be within a few float32 ulps of what was
+    # added (|p| before and after, and the t updates of at most ~lr each) and no worse than torch's.
     covered = torch.cat([torch.arange(s, s + k) for s, k, _ in runs]).to(dev)
+    ref_p, ref_m, ref_v = adam_float64(p0, grads, runs, mode=mode, lr=LR, scale=3.0)
+    eps32 = torch.finfo(torch.float32).eps
+    for what, ours, theirs, ref in (("param", tp, rp, ref_p), ("exp_avg", tm, rm, ref_m),
+                                    ("exp_avg_sq", tv, rv, ref_v)):
+        ours, theirs, ref = ours[covered], theirs[covered], ref[covered]
+        scale = (p0[covered].double().abs() + ref.abs() + 3 * LR) if what == "param" else ref.abs().max().expand_as(ref)
+        bound = 8 * eps32 * scale
+        worst = ((ours.double() - ref).abs() / bound).max().item()
+        worst_torch = ((theirs.double() - ref).abs() / bound).max().item()
+        print(f"{what}: worst element, in units of the bound: zfunc {worst:.3f}, torch fused {worst_torch:.3f}")
+        assert worst <= max(1.0, worst_torch), f"{what}: worst element {worst:.2f}x the few-ulp bound"
     assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from zfunc.interpret import dispatch
+from zfunc.reparametrize import swapped
 from zfunc.tree import describe_mismatch
 
 # A block body runs one sub-module on its (local-named) trainable params:
@@ -74,6 +75,9 @@ class ModelCall:
     block_names: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # {block name: whether one tensor appears under two names inside it}, kept likewise.
     block_tied: dict[str, bool] = dataclasses.field(default_factory=dict)
+    # Lookups that depend only on the module's structure (`zfunc.reparametrize` slots, the
+    # names outside wrapped blocks), kept likewise.
+    cache: dict = dataclasses.field(default_factory=dict)
 
     def wrap_block(self, name: str, wrapper: BlockWrapper,
                    kind: Literal["materialize", "around"] = "around") -> None:
@@ -133,6 +137,7 @@ class FunctionalModel:
         self.aliases: dict[str, str] = {}
         self._block_names: dict[str, dict[str, str]] = {}  # block_param_names, found once per block
         self._block_tied: dict[str, bool] = {}  # ModelCall.block_has_ties, found once per block
+        self._cache: dict = {}  # ModelCall.cache
         canonical_of: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if not p.requires_grad:
@@ -143,7 +148,7 @@ class FunctionalModel:
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         call = ModelCall(self.model, params, args, kwargs, self.aliases, block_names=self._block_names,
-                         block_tied=self._block_tied)
+                         block_tied=self._block_tied, cache=self._cache)
         return dispatch("apply", run_model_call, call)
 
     def release_module_params(self) -> None:
@@ -179,9 +184,10 @@ def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tenso
     Returns ``(apply_fn, params)``: ``params`` is a dict (qualified name ->
     tensor) of the trainable parameters, detached copies-free views of the
     module's own tensors (``p.detach()``; no memory is copied), and
-    ``apply_fn(params, *args, **kwargs)`` runs ``model.forward`` with them
-    through `torch.func.functional_call`. See the module docstring for tied
-    weights, frozen parameters and buffers.
+    ``apply_fn(params, *args, **kwargs)`` runs ``model`` with them swapped
+    in for its own tensors, as `torch.func.functional_call` does (see
+    `zfunc.reparametrize`). See the module docstring for tied weights, frozen
+    parameters and buffers.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"functional() takes a torch.nn.Module, got {type(model).__name__}")
@@ -195,23 +201,31 @@ def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tenso
 
 
 def run_model_call(call: ModelCall) -> Any:
-    """Run ``call`` with `torch.func.functional_call`, honouring block wrappers."""
+    """Run ``call``: the module with its params swapped in (what `torch.func.functional_call`
+    does, see `zfunc.reparametrize`), honouring block wrappers."""
     model = call.model
-    missing = [k for k in call.aliases.values() if k not in call.params]
-    if missing and not call.block_wrappers:
+    keys = call.cache.get("keys")
+    if keys is None:
+        keys = call.cache["keys"] = frozenset(call.aliases.values())
+    if not call.block_wrappers and not call.params.keys() >= keys:
+        missing = {k for k in call.aliases.values() if k not in call.params}
         raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
-                         f"{', '.join(sorted(set(missing))[:8])}")
+                         f"{', '.join(sorted(missing)[:8])}")
     # Names inside a wrapped block take their params from the block's body;
     # every other name (a tied twin outside the block included) from the call.
     prefixes = tuple(f"{name}." for name in call.block_wrappers)
-    outer_params = {name: call.params[key] for name, key in call.aliases.items()
-                    if key in call.params and not name.startswith(prefixes)}
+    outer = call.cache.get(("outer", prefixes))
+    if outer is None:
+        outer = call.cache[("outer", prefixes)] = [(name, key) for name, key in call.aliases.items()
+                                                   if not name.startswith(prefixes)]
+    outer_params = {name: call.params[key] for name, key in outer if key in call.params}
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
     overrides = [_BlockOverride(call, name) for name in call.block_wrappers]
     for override in overrides:
         override.install()
     try:
-        return torch.func.functional_call(model, outer_params, call.args, call.kwargs, strict=False)
+        with swapped(model, outer_params, call.cache):
+            return model(*call.args, **call.kwargs)
     except RuntimeError as err:
         if "mutate a captured Tensor" in str(err):
             raise RuntimeError(
@@ -225,21 +239,16 @@ def run_model_call(call: ModelCall) -> Any:
             override.uninstall()
 
 
-def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, tied: bool = True) -> Any:
+def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, cache: dict,
+                tied: bool = True) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
     ``forward`` itself, not ``block(...)``: the parent's call of the block
     already ran the block's hooks once (and a recompute in backward should
-    not run them again). ``_reparametrize_module`` is what
-    `torch.func.functional_call` uses inside; it is private, so if a torch
-    lacks it we fall back to functional_call (hooks then run twice).
-    ``tied``: whether the block holds a tensor under two names; only then are
-    ties re-established (that walks every module of the block, per call).
+    not run them again). ``tied``: whether the block holds a tensor under two
+    names; only then may swapping in need to re-tie (see `swapped`).
     """
-    reparametrize = getattr(torch.nn.utils.stateless, "_reparametrize_module", None)
-    if reparametrize is None:
-        return torch.func.functional_call(block, block_params, args, kwargs, strict=False)
-    with reparametrize(block, block_params, tie_weights=tied, strict=False):
+    with swapped(block, block_params, cache, tie_weights=tied):
         return type(block).forward(block, *args, **kwargs)
 
 
@@ -281,7 +290,7 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs, self.tied)
+            return _call_block(self.block, block_params, args, kwargs, self.call.cache, self.tied)
         finally:
             self._inside = was_inside
 

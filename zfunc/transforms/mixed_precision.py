@@ -368,21 +368,17 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         constants = dict(call.constants)
         buffers = []
         cast: dict[int, torch.Tensor] = {}
-        model = call.model
-        running = {id(m.running_mean) for m in model.modules()
-                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats}
-        running |= {id(m.running_var) for m in model.modules()
-                    if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats}
-        named = [(n, p, False) for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad]
-        named += [(n, b, True) for n, b in model.named_buffers(remove_duplicate=False)]
-        for name, tensor, is_buffer in named:
+        for name, where, attr, is_buffer, norm in _constant_slots(call):
+            tensor = where.get(attr)
             source = constants.get(name, tensor)
             if source is None or not source.is_floating_point() or source.dtype == compute:
                 continue
             if id(source) not in cast:
                 cast[id(source)] = copy = source.detach().to(compute)
                 if is_buffer and source is tensor:  # the module's own buffer: write in-place updates back
-                    buffers.append((tensor, copy, copy._version, id(tensor) in running))
+                    running = norm is not None and norm.training and norm.track_running_stats \
+                        and attr in ("running_mean", "running_var")
+                    buffers.append((tensor, copy, copy._version, running))
             constants[name] = cast[id(source)]
         return constants, buffers
 
@@ -504,3 +500,25 @@ def policy_of(step: Callable) -> Policy | None:
         if isinstance(t, mixed_precision):
             return t.policy
     return None
+
+
+def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
+    """Where the model's frozen parameters and buffers live: (name, the owner's ``_parameters`` or
+    ``_buffers``, attribute, is a buffer, the owner if it is a batch norm).
+
+    Found once per model (kept in ``call.cache``) rather than by walking every module of the model
+    on every forward: the tensors are read from these slots at each call, so a buffer the module
+    replaced (``.to()``) is still the one cast.
+    """
+    slots = call.cache.get("mixed_precision.constants")
+    if slots is None:
+        slots = []
+        for prefix, module in call.model.named_modules(remove_duplicate=False):
+            norm = module if isinstance(module, nn.modules.batchnorm._NormBase) else None
+            head = f"{prefix}." if prefix else ""
+            slots += [(head + attr, module._parameters, attr, False, None)
+                      for attr, p in module._parameters.items() if p is not None and not p.requires_grad]
+            slots += [(head + attr, module._buffers, attr, True, norm) for attr in module._buffers]
+        call.cache["mixed_precision.constants"] = slots
+    return slots
+

@@ -20,8 +20,6 @@ does not see an in-place change). Inside a `torch.func` transform or a
 
 from __future__ import annotations
 
-import functools
-import weakref
 from typing import Any
 
 import torch
@@ -40,14 +38,13 @@ class ReleasedBuffer:
         self.nbytes = full.untyped_storage().nbytes()
         self.pending = None  # an asynchronous refill in flight
         # Backward is done with the block when both the gradient of the gathered
-        # parameters and that of the block's inputs are computed: only then is
-        # no backward node left that reads the parameters' values.
+        # parameters (`parameters_grad_ready`, called by the node that reduces them)
+        # and that of the block's inputs are computed: only then is no backward node
+        # left that reads the parameters' values.
         self.events_needed, self.events = 1, 0
-        if full.requires_grad:
-            # Through a weak reference: a hook that held this buffer would close a cycle
-            # (tensor -> its autograd node -> hook -> buffer -> tensor) that runs through
-            # C++, where Python's garbage collector cannot see it, leaking the graph.
-            full.register_hook(functools.partial(_parameters_grad_ready, weakref.ref(self)))
+
+    def parameters_grad_ready(self) -> None:
+        self.backward_event()
 
     def backward_event(self) -> None:
         self.events += 1
@@ -85,13 +82,6 @@ class ReleasedBuffer:
             prefetch.result()
             guard.__exit__(None, None, None)
             self.pending = None
-
-
-def _parameters_grad_ready(buffer_ref, grad):
-    buffer = buffer_ref()
-    if buffer is not None:
-        buffer.backward_event()
-    return grad
 
 
 def around_block(buffer: ReleasedBuffer, body, block_params: dict, args: tuple, kwargs: dict,

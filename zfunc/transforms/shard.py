@@ -20,9 +20,11 @@ stage      partitioned                                           collectives per
 How it falls out of the primitives:
 
 - ``value_and_grad``: differentiates with respect to this rank's parameter
-  *shards*; the model sees full parameters through `dist.AllGather` (stage 3)
-  or `dist.Replicated` (stage 2), whose backward reduce-scatters, so the
-  gradients arrive sharded. Stage 1 reduce-scatters the full gradients once
+  *shards*; the model sees full parameters (gathered in stage 3, resident in
+  stage 2) through one autograd node per unit (`UnitLayout.reduced_views`)
+  whose backward reduce-scatters, so the gradients arrive sharded. Under
+  torch.func or torch.compile the same goes through `dist.AllGather` /
+  `dist.Replicated`, the collectives' own composable Functions. Stage 1 reduce-scatters the full gradients once
   after backward (after all micro-batches under `accumulate`). In every stage
   the step sees gradients as this rank's 1-D shards, keyed like params.
 - ``apply``: stage 3 gathers the root unit once per call and each block unit
@@ -286,15 +288,24 @@ class shard(Transform):  # noqa: N801
             # recompute of backward: gather the next one while this one computes.
             if 0 <= index < len(blocks) and (phase, blocks[index].name) not in call.prefetched:
                 unit = blocks[index]
-                flat = unit.cat_shard({k: params[k] for k in unit.keys}, group.rank).detach()
-                call.prefetched[(phase, unit.name)] = dist.Prefetch(flat, group, call.counter)
+                data = unit.shard_data({k: params[k] for k in unit.keys}, group.rank)
+                call.prefetched[(phase, unit.name)] = dist.Prefetch(data, group, call.counter)
 
         # Release needs plain autograd; under torch.func or torch.compile, recompute.
         release = self.reshard == "release" and not under_torch_func_or_compile()
 
-        def gather(unit: UnitLayout, flat_shard: torch.Tensor, phase: str) -> torch.Tensor:
+        def gather(unit: UnitLayout, data: torch.Tensor | None, phase: str,
+                   differentiable_shard: torch.Tensor | None = None) -> torch.Tensor:
+            """Block ``unit``'s full flat buffer (prefetched, or gathered now); prefetch the next block.
+
+            ``differentiable_shard`` (under torch.func): gather through `dist.AllGather`, whose
+            backward reduce-scatters; otherwise ``data`` is gathered as plain data.
+            """
             ready = call.prefetched.pop((phase, unit.name), None)
-            full = dist.AllGather.apply(flat_shard, group, call.counter, ready, unit.name)
+            if differentiable_shard is not None:
+                full = dist.AllGather.apply(differentiable_shard, group, call.counter, ready, unit.name)
+            else:
+                full = ready.result() if ready is not None else dist.all_gather_flat(data, group, call.counter)
             i = position[unit.name]
             if phase == "forward":
                 prefetch("forward", i + 1)
@@ -304,24 +315,46 @@ class shard(Transform):  # noqa: N801
                 prefetch("backward", i - 1)
             return full
 
+        def reducer(unit: UnitLayout, buffer: ReleasedBuffer | None = None):
+            """The gradient reduction of ``unit``'s views (see `UnitLayout.reduced_views`)."""
+            def reduce(flat: torch.Tensor) -> torch.Tensor:
+                if buffer is not None:
+                    buffer.parameters_grad_ready()
+                return dist.reduce_scatter_flat(flat, group, call.counter, unit.name)
+            return reduce
+
         def materialize(unit: UnitLayout, slices: dict) -> dict:
+            # A recomputed block's forward runs without grad; its rerun in backward with it.
+            phase = "backward" if torch.is_grad_enabled() else "forward"
+            if under_torch_func_or_compile():
+                return composable_views(unit, slices, phase)
+            if full_flats is not None:
+                full = full_flats[unit.name]
+            elif unit.name == ROOT:
+                full = dist.all_gather_flat(unit.shard_data(slices, group.rank), group, call.counter)
+                prefetch("forward", 0)
+            else:
+                full = gather(unit, unit.shard_data(slices, group.rank), phase)
+            return unit.reduced_views(full, slices, group.rank, reducer(unit))
+
+        def composable_views(unit: UnitLayout, slices: dict, phase: str) -> dict:
+            # Under torch.func or torch.compile: the collectives' own autograd Functions, which
+            # those support, and plain views.
             flat_shard = unit.cat_shard(slices, group.rank)
             if full_flats is not None:
                 full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), group, call.counter,
                                              unit.name)
-                return unit.differentiable_views(full)
-            if unit.name == ROOT:
+            elif unit.name == ROOT:
                 full = dist.AllGather.apply(flat_shard, group, call.counter, None, unit.name)
                 prefetch("forward", 0)
-                return unit.differentiable_views(full)
-            # A recomputed block's forward runs without grad; its rerun in backward with it.
-            full = gather(unit, flat_shard, "backward" if torch.is_grad_enabled() else "forward")
-            return unit.differentiable_views(full)
+            else:
+                full = gather(unit, None, phase, differentiable_shard=flat_shard)
+            return unit.full_views(full)
 
         def released_body(unit: UnitLayout, local: dict, body, slices: dict, args, kwargs):
-            flat_shard = unit.cat_shard(slices, group.rank)
-            full = gather(unit, flat_shard, "forward")
-            buffer = ReleasedBuffer(full, flat_shard, group, call.counter)
+            data = unit.shard_data(slices, group.rank)
+            full = gather(unit, data, "forward")
+            buffer = ReleasedBuffer(full, data, group, call.counter)
             call.released[unit.name] = buffer
             i = position[unit.name]
 
@@ -330,7 +363,7 @@ class shard(Transform):  # noqa: N801
                 if previous is not None:
                     previous.refill(asynchronous=True)
 
-            views = unit.differentiable_views(full)
+            views = unit.reduced_views(full, slices, group.rank, reducer(unit, buffer))
             return around_block(buffer, body, {n: views[k] for n, k in local.items()}, args, kwargs,
                                 refill_previous_block)
 

@@ -97,23 +97,69 @@ class UnitLayout:
         return {key: flat_full[o:o + n].view(shape)
                 for key, o, n, shape in zip(self.keys, self.offsets, self.numels, self.shapes)}
 
-    def differentiable_views(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`full_views` for a flat buffer that requires grad, with one flat gradient in backward.
+    def reduced_views(self, full: torch.Tensor, slices: dict[str, torch.Tensor], rank: int,
+                      reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the model sees of this unit: per-key views of ``full``, differentiable w.r.t. ``slices``.
 
-        Plain slicing would give each view its own backward node, and autograd
-        would build the flat gradient as a sum of one zero-filled full-size
-        buffer per parameter (about 4 passes over the unit per parameter: 12
-        parameters in a GPT block make ~50 passes, 8x slower than needed on
-        the CPU). `_FlatViews` hands the views out in one node whose backward
-        concatenates their gradients once. Under torch.func or torch.compile
-        (where returning views from a custom Function is not supported) the
-        plain views are used.
+        ``full``: the unit's whole flat buffer (gathered, or resident), plain
+        data. ``slices``: ``rank``'s per-key 1-D slices, the tensors being
+        differentiated. In backward the views' gradients are concatenated
+        once into one padded flat buffer (zeros for a parameter the model did
+        not use), ``reduce(flat)`` turns it into ``rank``'s flat shard (shard:
+        the reduce-scatter of the data-parallel mean), and each slice gets its
+        part as a view. One autograd node per unit and call: slicing ``full``
+        per parameter would give each view its own node, and autograd would
+        sum one zero-filled full-size buffer per parameter (12 in a GPT
+        block: ~8x slower on the CPU); a separate concatenation of the slices,
+        collective node and view node would cost three more Function calls
+        of Python per unit and call. Needs plain autograd (custom Functions
+        returning views are not supported under torch.func).
         """
-        from zfunc.autodiff import under_torch_func_or_compile  # noqa: PLC0415
+        if not torch.is_grad_enabled() or not any(slices[k].requires_grad for k in self.keys):
+            return dict(zip(self.keys, self.strided_views(full)))
+        return dict(zip(self.keys, _UnitViews.apply(_Data(full), self, rank, reduce,
+                                                    *(slices[k] for k in self.keys))))
 
-        if not flat_full.requires_grad or not torch.is_grad_enabled() or under_torch_func_or_compile():
-            return self.full_views(flat_full)
-        return dict(zip(self.keys, _FlatViews.apply(flat_full, self)))
+    def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
+        """`full_views` as one ``as_strided`` each (half the dispatches of slice + view), in key
+        order; for plain data only (autograd through ``as_strided`` is slower than through a slice)."""
+        base = flat_full.storage_offset()
+        return [flat_full.as_strided(shape, stride, base + offset)
+                for shape, stride, offset in zip(self.shapes, self._strides, self.offsets)]
+
+    @functools.cached_property
+    def _strides(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(torch.empty(shape, device="meta").stride() for shape in self.shapes)
+
+    def shard_data(self, slices: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s flat shard as plain data: the buffer ``slices`` are views of, else their concatenation.
+
+        A state's shards are views of one flat buffer per unit (see the
+        module docstring), and a step differentiates detached views of them,
+        so there is usually nothing to copy: the buffer is found from the
+        slices' storage, checked key by key for exactly this layout.
+        """
+        first = slices[self.keys[0]]
+        storage = first.untyped_storage()
+        if storage.nbytes() == self.shard_size * first.element_size():
+            base = storage.data_ptr()
+            if all(slices[k].numel() == 0 or (slices[k].untyped_storage().data_ptr() == base
+                                               and slices[k].storage_offset() == pos)
+                   for k, pos in zip(self.keys, self.shard_positions(rank))):
+                return first.new_empty(0).set_(storage, 0, (self.shard_size,)).detach()
+        with torch.no_grad():
+            return self.cat_shard(slices, rank)
+
+    def shard_positions(self, rank: int) -> tuple[int, ...]:
+        """Where each key's slice starts in ``rank``'s flat shard (cached per rank)."""
+        cache = self._positions
+        if rank not in cache:
+            cache[rank] = tuple(self.shard_position(i, rank) for i in range(len(self.keys)))
+        return cache[rank]
+
+    @functools.cached_property
+    def _positions(self) -> dict[int, tuple[int, ...]]:
+        return {}
 
     def pack_full(self, tensors: dict[str, torch.Tensor], like: torch.Tensor | None = None) -> torch.Tensor:
         """A new padded flat buffer holding ``tensors`` (full shapes), in one concatenation."""
@@ -147,20 +193,31 @@ class UnitLayout:
         return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
 
 
-class _FlatViews(torch.autograd.Function):
-    """Per-parameter views of a unit's flat buffer; backward concatenates their gradients once.
+class _Data:
+    """Hands a tensor to a Function as plain data: autograd does not treat it as an input."""
 
-    The ``forward(ctx, ...)`` form: it is never used under torch.func (see
-    `differentiable_views`), and unlike the ``setup_context`` form its
-    ``apply`` does not bind arguments through ``inspect.signature`` on every
-    call.
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class _UnitViews(torch.autograd.Function):
+    """`UnitLayout.reduced_views`: views of a unit's flat buffer out, reduced gradient shards back.
+
+    The ``forward(ctx, ...)`` form: it never runs under torch.func, and unlike
+    the ``setup_context`` form its ``apply`` does not bind arguments through
+    ``inspect.signature`` on every call. For the same reason its backward may
+    call the reduction directly (the functorch limit `zfunc.dist` describes
+    does not arise in plain autograd).
     """
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, unit: UnitLayout):
-        ctx.unit, ctx.dtype, ctx.device = unit, flat.dtype, flat.device
+    def forward(ctx, full: _Data, unit: UnitLayout, rank: int, reduce, *slices):
+        ctx.unit, ctx.rank, ctx.reduce = unit, rank, reduce
+        ctx.dtype, ctx.device = full.tensor.dtype, full.tensor.device
         ctx.set_materialize_grads(False)  # a parameter the model did not use gets None, not zeros
-        return tuple(unit.full_views(flat).values())
+        return tuple(unit.strided_views(full.tensor))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -169,7 +226,8 @@ class _FlatViews(torch.autograd.Function):
                  for g, n in zip(grads, unit.numels)]
         if unit.padded > unit.numel:
             parts.append(torch.zeros(unit.padded - unit.numel, dtype=ctx.dtype, device=ctx.device))
-        return torch.cat(parts), None
+        shard = ctx.reduce(torch.cat(parts))
+        return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
 
 
 @dataclasses.dataclass(frozen=True)
