@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
 # the CPU Adam benchmark and the single-GPU offload comparison (PARTS picks; TAG names a repeat;
-# PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each single-GPU contender).
+# PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps).
 # Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh [medium] [steps]
 set -uo pipefail
@@ -33,7 +33,8 @@ if [[ $PARTS == *cpuadam* ]]; then
 fi
 if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
   run table_$MODEL${TAG:-} ${TABLE_LIMIT:-400} torchrun --nproc-per-node 2 benchmarks/gpt_zero.py --model "$MODEL" \
-    --steps "$STEPS" --json "$OUT/table_$MODEL${TAG:-}.json" ${CONTENDERS:+--contenders $CONTENDERS}
+    --steps "$STEPS" --json "$OUT/table_$MODEL${TAG:-}.json" ${CONTENDERS:+--contenders $CONTENDERS} \
+    ${PROFILE:+--profile} ${CPROFILE:+--cprofile}
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
