@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import zfunc as zf
+
 
 class Block(nn.Module):
     def __init__(self, width: int, hidden: int, dropout: float = 0.0) -> None:
@@ -53,3 +55,19 @@ def make_batch(batch: int = 8, seq: int = 5, vocab: int = 13, seed: int = 0):
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     y = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"x": x, "y": y}
+
+
+def tiny_lm_step(dropout: float = 0.0, **model_kw):
+    """``(model, params, train_step)``: TinyLM built under seed 0, its trainable params, and the
+    plain step (one `zf.value_and_grad` of `lm_loss`, then ``apply_gradients``)."""
+    torch.manual_seed(0)
+    model = TinyLM(dropout=dropout, **model_kw)
+    apply_fn, params = zf.functional(model)
+    loss_fn = lm_loss(apply_fn)
+
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    return model, params, train_step
+

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import zfunc as zf
-from tests.models import TinyLM, lm_loss, make_batch
+from tests.models import make_batch, tiny_lm_step
 
 BATCH = 8
 STEPS = 3
@@ -25,15 +25,7 @@ def optimizer(kind: str = "adamw"):
 
 def build(opt_kind: str = "adamw", dropout: float = 0.0):
     """A fresh (model-independent) train step and plain state, identical on every rank."""
-    torch.manual_seed(0)
-    model = TinyLM(dropout=dropout)
-    apply_fn, params = zf.functional(model)
-    loss_fn = lm_loss(apply_fn)
-
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
+    _, params, train_step = tiny_lm_step(dropout)
     params = {k: v.clone() for k, v in params.items()}  # steps may update in place: keep the model intact
     return train_step, zf.TrainState.create(params, optimizer(opt_kind))
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import zfunc as zf
-from tests.models import Block, TinyLM, lm_loss, make_batch
+from tests.models import Block, TinyLM, lm_loss, make_batch, tiny_lm_step
 from zfunc.transforms.accumulate import accumulate
 from zfunc.transforms.checkpoint import OffloadInputs, Recompute, SaveOps, _Replay, checkpoint
 from zfunc.transforms.mixed_precision import mixed_precision
@@ -16,15 +16,7 @@ POLICIES = ["recompute", "save_ops", "offload_inputs"]
 
 def train(wrap, steps=K, dropout=0.1, lr=1e-2, batch=8, count_calls=False):
     """``steps`` AdamW steps of ``wrap(train_step)`` on TinyLM; returns (gathered params, step, calls of blocks.0.up)."""
-    torch.manual_seed(0)
-    model = TinyLM(dropout=dropout)
-    apply_fn, params = zf.functional(model)
-    loss_fn = lm_loss(apply_fn)
-
-    def train_step(state, b):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, b)
-        return state.apply_gradients(grads), {"loss": loss}
-
+    model, params, train_step = tiny_lm_step(dropout)
     calls = []
     if count_calls:
         model.blocks[0].up.register_forward_hook(lambda *a: calls.append(1))

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 import zfunc as zf
-from tests.models import TinyLM, lm_loss, make_batch
+from tests.models import TinyLM, make_batch, tiny_lm_step
 from zfunc.cli import main as cli_main
 from zfunc.io import CheckpointError, consolidate, list_checkpoints, restore, save
 from zfunc.transforms import shard
@@ -24,15 +24,7 @@ from zfunc.transforms import shard
 
 def make(stage=None, opt=None, dropout=0.1, **model_kw):
     """A step and a fresh state (same values on every call)."""
-    torch.manual_seed(0)
-    model = TinyLM(dropout=dropout, **model_kw)
-    apply_fn, params = zf.functional(model)
-    loss_fn = lm_loss(apply_fn)
-
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
+    model, params, train_step = tiny_lm_step(dropout, **model_kw)
     step = train_step if stage is None else shard(train_step, stage=stage)
     params = {k: v.clone() for k, v in params.items()}
     state = zf.TrainState.create(params, opt or zf.optim.adamw(zf.optim.warmup_cosine(1e-2, 2, 20)))
