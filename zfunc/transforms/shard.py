@@ -288,7 +288,7 @@ class shard(Transform):  # noqa: N801
             # recompute of backward: gather the next one while this one computes.
             if 0 <= index < len(blocks) and (phase, blocks[index].name) not in call.prefetched:
                 unit = blocks[index]
-                data = unit.shard_data({k: params[k] for k in unit.keys}, group.rank)
+                data = unit.shard_data(params, group.rank)
                 call.prefetched[(phase, unit.name)] = dist.Prefetch(data, group, call.counter)
 
         # Release needs plain autograd; under torch.func or torch.compile, recompute.

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from zfunc.dist import Holder
 from zfunc.tree import register_pytree_node
 
 ROOT = ""
@@ -117,7 +118,7 @@ class UnitLayout:
         """
         if not torch.is_grad_enabled() or not any(slices[k].requires_grad for k in self.keys):
             return dict(zip(self.keys, self.strided_views(full)))
-        return dict(zip(self.keys, _UnitViews.apply(_Data(full), self, rank, reduce,
+        return dict(zip(self.keys, _UnitViews.apply(Holder(full), self, rank, reduce,
                                                     *(slices[k] for k in self.keys))))
 
     def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
@@ -193,15 +194,6 @@ class UnitLayout:
         return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
 
 
-class _Data:
-    """Hands a tensor to a Function as plain data: autograd does not treat it as an input."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
 class _UnitViews(torch.autograd.Function):
     """`UnitLayout.reduced_views`: views of a unit's flat buffer out, reduced gradient shards back.
 
@@ -213,11 +205,11 @@ class _UnitViews(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, full: _Data, unit: UnitLayout, rank: int, reduce, *slices):
+    def forward(ctx, holder: Holder, unit: UnitLayout, rank: int, reduce, *slices):
         ctx.unit, ctx.rank, ctx.reduce = unit, rank, reduce
-        ctx.dtype, ctx.device = full.tensor.dtype, full.tensor.device
+        ctx.dtype, ctx.device = holder.full.dtype, holder.full.device
         ctx.set_materialize_grads(False)  # a parameter the model did not use gets None, not zeros
-        return tuple(unit.strided_views(full.tensor))
+        return tuple(unit.strided_views(holder.full))
 
     @staticmethod
     def backward(ctx, *grads):
