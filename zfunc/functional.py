@@ -70,13 +70,9 @@ class ModelCall:
     # own forward, so a block recomputed in backward sees them too.
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     recompute_required: set[str] = dataclasses.field(default_factory=set)
-    # {block name: its block_param_names}, kept by the functional model across calls: finding
-    # them walks the block's modules, which shard would otherwise do per unit per forward.
-    block_names: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
-    # {block name: whether one tensor appears under two names inside it}, kept likewise.
-    block_tied: dict[str, bool] = dataclasses.field(default_factory=dict)
-    # Lookups that depend only on the module's structure (`zfunc.reparametrize` slots, the
-    # names outside wrapped blocks), kept likewise.
+    # Lookups that depend only on the module's structure, kept by the functional model across
+    # calls: each walks modules, which would otherwise happen per block per forward (a block's
+    # param names and ties, `zfunc.reparametrize` slots, the names outside wrapped blocks).
     cache: dict = dataclasses.field(default_factory=dict)
 
     def wrap_block(self, name: str, wrapper: BlockWrapper,
@@ -98,19 +94,21 @@ class ModelCall:
 
     def block_param_names(self, name: str) -> dict[str, str]:
         """``{local name: params key}`` of the trainable parameters of block ``name``."""
-        if name not in self.block_names:
-            self.block_names[name] = block_param_names(self.model, name, self.aliases)
-        return self.block_names[name]
+        key = ("block_param_names", name)
+        if key not in self.cache:
+            self.cache[key] = block_param_names(self.model, name, self.aliases)
+        return self.cache[key]
 
     def block_has_ties(self, name: str) -> bool:
         """Whether block ``name`` holds one tensor under two names (then swapping its params in
         must re-tie them, which walks the block's modules; most blocks need not)."""
-        if name not in self.block_tied:
+        key = ("block_has_ties", name)
+        if key not in self.cache:
             block = self.model.get_submodule(name)
             named = list(block.named_parameters(remove_duplicate=False)) + \
                 list(block.named_buffers(remove_duplicate=False))
-            self.block_tied[name] = len({id(t) for _, t in named}) < len(named)
-        return self.block_tied[name]
+            self.cache[key] = len({id(t) for _, t in named}) < len(named)
+        return self.cache[key]
 
 
 def block_param_names(model: nn.Module, name: str, aliases: dict[str, str]) -> dict[str, str]:
@@ -135,8 +133,6 @@ class FunctionalModel:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.aliases: dict[str, str] = {}
-        self._block_names: dict[str, dict[str, str]] = {}  # block_param_names, found once per block
-        self._block_tied: dict[str, bool] = {}  # ModelCall.block_has_ties, found once per block
         self._cache: dict = {}  # ModelCall.cache
         canonical_of: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -147,8 +143,7 @@ class FunctionalModel:
                            if p.requires_grad}
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        call = ModelCall(self.model, params, args, kwargs, self.aliases, block_names=self._block_names,
-                         block_tied=self._block_tied, cache=self._cache)
+        call = ModelCall(self.model, params, args, kwargs, self.aliases, cache=self._cache)
         return dispatch("apply", run_model_call, call)
 
     def release_module_params(self) -> None:
