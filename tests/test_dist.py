@@ -36,3 +36,63 @@ def test_all_gather_and_its_gradient_are_the_data_parallel_mean(world):
         # every rank's loss has the same weights, so the mean over ranks is that gradient
         assert torch.equal(grad, torch.arange(3 * rank, 3 * rank + 3, dtype=torch.float32))
         assert gathered == reduced == 3 * world
+
+
+def _agree_on_rank_value():
+    from zfunc import dist as zdist
+
+    group = zdist.Group.resolve()
+    zdist.agree({"keys": ["a", "b"], "stage": 3}, group, "the step")  # equal: returns quietly
+    value = {"keys": ["a", "b"], "stage": 3 if group.rank == 0 else 2}
+    try:
+        zdist.agree(value, group, "the step")
+    except zdist.CollectiveError as err:
+        return str(err)
+    return None
+
+
+def test_agree_raises_the_same_error_on_every_rank():
+    from zfunc.testing import run_distributed
+
+    messages = run_distributed(_agree_on_rank_value, 2)
+    assert messages[0] == messages[1]
+    assert "ranks disagree on the step" in messages[0] and "[1]" in messages[0] and "stage" in messages[0]
+
+
+def _one_rank_skips(timeout):
+    import os
+    import time
+
+    import torch.distributed as tdist
+
+    from zfunc import dist as zdist
+
+    os.environ["ZFUNC_TIMEOUT_S"] = str(timeout)
+    group = zdist.Group.resolve()
+    if group.rank == 1:
+        time.sleep(3 * timeout)
+        tdist.destroy_process_group()  # the collective rank 0 started never pairs: leave quietly
+        return None
+    try:
+        zdist.all_gather_json({"step": 3}, group, "saving a checkpoint")
+    except zdist.CollectiveError as err:
+        tdist.destroy_process_group()
+        return str(err)
+    return None
+
+
+def test_a_collective_that_a_rank_skips_ends_in_an_error_not_a_hang():
+    from zfunc.testing import run_distributed
+
+    message = run_distributed(_one_rank_skips, 2, 0.5, timeout=60)[0]
+    assert "saving a checkpoint" in message and "ZFUNC_TIMEOUT_S" in message
+
+
+def test_torchrun_environment_without_a_process_group_is_refused(monkeypatch):
+    from zfunc import dist as zdist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(zdist.CollectiveError, match="init_process_group"):
+        zdist.Group.resolve()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert zdist.Group.resolve().size == 1

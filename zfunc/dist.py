@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,22 +30,64 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+TIMEOUT_ENV = "ZFUNC_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class CollectiveError(RuntimeError):
+    """Ranks did not meet in a collective (one never came, or they disagree): the message says which."""
+
+
+def default_timeout() -> float:
+    """Seconds a rank waits for the others in a collective before raising `CollectiveError`:
+    ``$ZFUNC_TIMEOUT_S`` if set, else 300."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
+
+
 @dataclasses.dataclass
 class Group:
-    """A process group with its rank and size (a world of 1 when none is initialized)."""
+    """A process group with its rank and size (a world of 1 when none is initialized).
+
+    ``timeout``: seconds a collective may wait for the other ranks before
+    `CollectiveError` is raised (see `wait`).
+    """
 
     handle: object | None
     rank: int
     size: int
     device: torch.device = torch.device("cpu")  # where this group's collectives run
+    timeout: float = DEFAULT_TIMEOUT_S
 
     @classmethod
-    def resolve(cls, group=None) -> "Group":
+    def resolve(cls, group=None, timeout: float | None = None) -> "Group":
+        """The given process group, else the world; a world of 1 when torch.distributed is not initialized.
+
+        Refuses to pretend to be alone when a launcher (torchrun) started
+        several processes (``WORLD_SIZE`` > 1) and none joined a group: each
+        would train on its own, silently.
+        """
+        timeout = default_timeout() if timeout is None else float(timeout)
         if group is None and not (dist.is_available() and dist.is_initialized()):
-            return cls(None, 0, 1)
+            launched = os.environ.get("WORLD_SIZE", "1")
+            if launched.isdigit() and int(launched) > 1:
+                raise CollectiveError(
+                    f"this process was launched as one of WORLD_SIZE={launched} ranks (torchrun), but "
+                    "torch.distributed is not initialized, so each rank would train its own model. Call "
+                    "torch.distributed.init_process_group('nccl' or 'gloo') at the start of the script (and "
+                    "destroy_process_group() at its end), or run a single process without torchrun.")
+            return cls(None, 0, 1, timeout=timeout)
         backend = str(dist.get_backend(group)).lower()
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), device)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), device, timeout)
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the device this group communicates from (NCCL cannot send host tensors)."""
@@ -177,25 +221,102 @@ class ReadyOnce:
             torch.cuda.current_stream().wait_event(self.event)
 
 
-def all_gather_json(obj, group: Group) -> list:
+def wait(work, group: Group, what: str) -> None:
+    """Wait for an asynchronous collective, at most ``group.timeout`` seconds.
+
+    Past it, raise `CollectiveError` naming ``what``: the other ranks are
+    elsewhere (another step or stage, a rank that skipped the call, a dead
+    rank), and waiting on would hang the job with no word. Polls the work
+    (``is_completed``), which both gloo and NCCL answer without blocking.
+    """
+    deadline = time.monotonic() + group.timeout
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise CollectiveError(
+                f"{what}: rank {group.rank} of {group.size} waited {group.timeout:g} s for the other ranks, which "
+                f"never joined. Every rank must make the same zfunc calls in the same order (the same step, "
+                f"stage and model; e.g. every rank calls zf.io.save). Raise the limit with ${TIMEOUT_ENV} if a "
+                "rank is merely slow.")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    work.wait()
+
+
+def all_gather_json(obj, group: Group, what: str = "exchanging metadata between ranks") -> list:
     """Every rank's ``obj`` (anything `json` can encode), in rank order.
 
     Sent as JSON bytes in a uint8 tensor, never pickled: what crosses ranks
     is data (steps, file lists, error messages), and no rank should run code
     another one sent. Tuples come back as lists, on every world size alike.
+    Sizes are exchanged first, so ranks with payloads of different lengths
+    never issue mismatched collectives; each exchange waits at most
+    ``group.timeout`` seconds (`wait`; ``what`` names it in the error).
     """
     encoded = json.dumps(obj).encode()
     if group.size == 1:
         return [json.loads(encoded)]
     size = torch.tensor([len(encoded)], dtype=torch.int64, device=group.device)
-    sizes = all_gather_flat(size, group).cpu()
+    sizes = _gather_within_timeout(size, group, what).cpu()
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8)
     if encoded:
         padded[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    gathered = all_gather_flat(padded.to(group.device), group).cpu()
+    gathered = _gather_within_timeout(padded.to(group.device), group, what).cpu()
     return [json.loads(bytes(gathered[r * longest:r * longest + int(sizes[r])].tolist()))
             for r in range(group.size)]
+
+
+def _gather_within_timeout(t: torch.Tensor, group: Group, what: str) -> torch.Tensor:
+    out = t.new_empty(t.numel() * group.size)
+    work = _all_gather_into(out, t.contiguous(), group=group.handle, async_op=True)
+    wait(work, group, what)
+    return out
+
+
+def agree(value, group: Group, what: str) -> None:
+    """Check that every rank holds the same ``value`` (JSON-able); raise the same error on every rank if not.
+
+    ``what`` names the value ("the parameter names and shapes"); the error
+    lists the ranks whose value differs from rank 0's and the first
+    difference. Used before any collective whose shapes depend on the value,
+    so a disagreement is an error rather than a hang or a gloo abort.
+    """
+    values = all_gather_json(value, group, f"checking that all ranks agree on {what}")
+    differing = [r for r, v in enumerate(values) if v != values[0]]
+    if differing:
+        raise CollectiveError(
+            f"ranks disagree on {what}: rank(s) {differing} differ from rank 0 "
+            f"({_first_difference(values[0], values[differing[0]])}). Every rank must build the same model "
+            "and the same step (same transforms and arguments) from the same code.")
+
+
+def _first_difference(a, b, path: str = "") -> str:
+    """A short description of where two JSON values first differ."""
+    where = path or "the value"
+    if type(a) is not type(b):
+        return f"at {where}: {_short(a)} vs {_short(b)}"
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+            if only_a or only_b:
+                return f"at {where}: keys only on rank 0: {only_a[:4]}, only on the other: {only_b[:4]}"
+            return f"at {where}: the same keys in another order"
+        for k in a:
+            if a[k] != b[k]:
+                return _first_difference(a[k], b[k], f"{path}.{k}" if path else str(k))
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return f"at {where}: {len(a)} entries vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{path}[{i}]")
+    return f"at {where}: {_short(a)} vs {_short(b)}"
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _wait_when_backward_ends(counter: CommCounter) -> None:
