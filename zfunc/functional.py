@@ -33,7 +33,7 @@ from torch import nn
 
 from zfunc.interpret import dispatch
 from zfunc.reparametrize import swapped
-from zfunc.tree import describe_mismatch
+from zfunc.tree import describe_mismatch, register_pytree_node
 
 # A block body runs one sub-module on its (local-named) trainable params:
 #     body(block_params: dict[str, Tensor], *args, **kwargs) -> output
@@ -173,6 +173,26 @@ class FunctionalModel:
         return f"functional({type(self.model).__name__}, {len(self.param_spec)} trainable tensors)"
 
 
+class Params(dict):
+    """The trainable parameters `functional` returns: a plain ``dict`` that also records the
+    model's tied weights (``ties``: ``{alias: key}``), which `TrainState.create` keeps so that
+    checkpoints export every name the model has. Copies made with ``dict(...)`` or a
+    comprehension are plain dicts and record none."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], ties: dict[str, str]) -> None:
+        super().__init__(tensors)
+        self.ties = dict(ties)
+
+
+# A pytree node like a dict (keys sorted, as optree orders dicts), so tree utilities and
+# torch.func see its tensors; the ties ride along as static data.
+register_pytree_node(
+    Params,
+    lambda p: ([p[k] for k in sorted(p)], (tuple(sorted(p)), tuple(sorted(p.ties.items())))),
+    lambda static, values: Params(dict(zip(static[0], values)), dict(static[1])),
+)
+
+
 def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tensor]]:
     """Split ``model`` into a pure apply function and its trainable params.
 
@@ -188,7 +208,8 @@ def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tenso
         raise TypeError(f"functional() takes a torch.nn.Module, got {type(model).__name__}")
     apply_fn = FunctionalModel(model)
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-    return apply_fn, params
+    ties = {alias: key for alias, key in apply_fn.aliases.items() if alias != key}
+    return apply_fn, Params(params, ties)
 
 
 # --------------------------------------------------------------------------

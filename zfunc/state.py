@@ -13,7 +13,10 @@ checkpoints see the whole state):
   master and loss scale of `mixed_precision`, the layout of `shard`, ...), so
   that whatever saves and restores a state restores the transforms too.
 
-``tx`` (the optimizer) is static: it is part of the tree structure, not a leaf.
+``tx`` (the optimizer) and ``ties`` (tied weights: ``(alias, key)`` pairs,
+e.g. ``("head.weight", "embed.weight")``, recorded from `zf.functional`'s
+params so that checkpoints can export every name the model has) are static:
+part of the tree structure, not leaves.
 """
 
 from __future__ import annotations
@@ -35,17 +38,32 @@ class TrainState:
     opt_state: Any
     tx: GradientTransformation = dataclasses.field(repr=False)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ties: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
 
     @classmethod
-    def create(cls, params: dict[str, torch.Tensor], tx: GradientTransformation) -> "TrainState":
-        """A fresh state: ``step = 0``, ``opt_state = tx.init(params)``."""
+    def create(cls, params: dict[str, torch.Tensor], tx: GradientTransformation,
+               ties: dict[str, str] | None = None) -> "TrainState":
+        """A fresh state: ``step = 0``, ``opt_state = tx.init(params)``.
+
+        Args:
+          params: the trainable parameters, a dict of tensors (from `zf.functional`).
+          tx: the optimizer (`zf.optim`).
+          ties: ``{alias: key}`` of tied weights; by default the ones `zf.functional`
+            recorded on ``params`` (a plain dict built from them records none).
+        Returns:
+          The state, ``step`` on the parameters' device.
+        """
         if not isinstance(params, dict) or not all(isinstance(v, torch.Tensor) for v in params.values()):
             raise TypeError("TrainState.create takes params as a dict of tensors (from zf.functional(model))")
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"TrainState.create takes an optimizer (zf.optim.*), got {type(tx).__name__}")
+        ties = dict(getattr(params, "ties", {}) if ties is None else ties)
+        for alias, key in ties.items():
+            if key not in params:
+                raise ValueError(f"TrainState.create: tied weight {alias!r} -> {key!r}, but params has no {key!r}")
         device = next(iter(params.values())).device if params else None
         return cls(step=torch.zeros((), dtype=torch.int64, device=device), params=dict(params),
-                   opt_state=tx.init(params), tx=tx)
+                   opt_state=tx.init(dict(params)), tx=tx, ties=tuple(sorted(ties.items())))
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with some fields replaced (the state itself is immutable)."""
@@ -102,12 +120,13 @@ def check_grads_match(params: Any, grads: Any) -> None:
 
 
 def _flatten(state: TrainState):
-    return (state.step, state.params, state.opt_state, state.extras), state.tx
+    return (state.step, state.params, state.opt_state, state.extras), (state.tx, state.ties)
 
 
-def _unflatten(tx, children) -> TrainState:
+def _unflatten(static, children) -> TrainState:
     step, params, opt_state, extras = children
-    return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras)
+    tx, ties = static
+    return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras, ties=ties)
 
 
 register_pytree_node(TrainState, _flatten, _unflatten)
