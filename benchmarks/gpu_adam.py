@@ -1,4 +1,4 @@
-"""Benchmark: zfunc's flat-buffer AdamW and gradient statistics against torch's fused kernels, on one GPU.
+"""Benchmark: zfunc's flat-buffer AdamW against torch's fused kernels, on one GPU.
 
     python benchmarks/gpu_adam.py                              # 1e9 elements on cuda:0 (~30 GB of buffers)
     python benchmarks/gpu_adam.py --numel 200000000 --json out.json
@@ -16,8 +16,7 @@ grads); a bf16 copy of the new params adds 2 when written in the same pass, 6 as
 (read 4, write 2); upcasting bf16 grads first adds 6 (read 2, write 4). "GB/s" is that traffic per
 second, "% copy" that rate against a device-to-device ``dst.copy_(src)`` of fp32 (8 bytes per
 element: read + write), "vs fused" the speed against ``torch.optim.AdamW(fused=True)`` (time
-ratio, > 1 is faster). The grad-stats rows compare ``grad_stats_`` (finite check + in-place
-unscale + sum of squares, one pass) with torch's AMP unscale followed by ``_foreach_norm``.
+ratio, > 1 is faster).
 
 Before timing, a correctness check runs both kernels on a 16M-element slice for three steps and
 prints the largest differences against torch's fused AdamW (expected on CUDA: 0, bit for bit).
@@ -210,15 +209,6 @@ def build_cases(ga, device, n: int, backend: str, chunk: int, sweep: bool) -> li
                     cases.append((f"  sweep: fp32 grads, block {block}, {warps} warps", 28, ours(g, cfg=cfg),
                                   "sweep"))
 
-    one = torch.ones((), **f32)  # unscale by 1: the values stay put over the repeats
-    cases.append(("grad stats fp32: torch amp unscale + _foreach_norm", 12,
-                  lambda: ga.grad_stats_([g], one, backend="torch"), "stats"))
-    cases.append((f"grad stats fp32: zfunc grad_stats_ [{backend}]", 8,
-                  lambda: ga.grad_stats_([g], one, backend=backend), "stats"))
-    cases.append(("grad stats bf16: torch amp unscale + _foreach_norm", 6,
-                  lambda: ga.grad_stats_([g16], one, backend="torch"), "stats"))
-    cases.append((f"grad stats bf16: zfunc grad_stats_ [{backend}]", 4,
-                  lambda: ga.grad_stats_([g16], one, backend=backend), "stats"))
     return cases
 
 
@@ -316,12 +306,9 @@ def main(argv=None):
                      "times_ms": [t * 1e3 for t in ts]})
     copy_bw = max([r["gbps"] for r in rows if r["group"] == "bandwidth"], default=float("nan"))
     fused = next((r for r in rows if r["case"] == "torch AdamW(fused=True).step()"), None)
-    stats_ref = {k: next((r for r in rows if r["case"] == f"grad stats {k}: torch amp unscale + _foreach_norm"), None)
-                 for k in ("fp32", "bf16")}
     for r in rows:
         r["pct_copy_bw"] = 100 * r["gbps"] / copy_bw
-        ref = stats_ref.get(r["case"].split(":")[0].split()[-1]) if r["group"] == "stats" else fused
-        r["speedup_vs_torch"] = ref["ms"] / r["ms"] if ref else None
+        r["speedup_vs_torch"] = fused["ms"] / r["ms"] if fused else None
 
     print("\n| case | B/elem | ms | GB/s | % copy BW | vs torch fused |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -329,8 +316,7 @@ def main(argv=None):
         sp = f"{r['speedup_vs_torch']:.2f}x" if r["speedup_vs_torch"] else "-"
         print(f"| {r['case']} | {r['bytes_per_elem']} | {r['ms']:.2f} | {r['gbps']:.0f} | {r['pct_copy_bw']:.0f}% "
               f"| {sp} |")
-    print(f"\ncopy bandwidth: {copy_bw:.0f} GB/s. 'vs torch fused' of the grad stats rows: against torch's "
-          f"amp unscale + _foreach_norm of the same dtype.")
+    print(f"\ncopy bandwidth: {copy_bw:.0f} GB/s.")
     for note in notes:
         print("note:", note)
     if args.json:

@@ -37,7 +37,9 @@ class TinyLM(nn.Module):
         self.register_buffer("offset", torch.full((width,), 0.01))
 
     def forward(self, tokens):
-        x = self.embed(tokens) * self.frozen_scale + self.offset
+        # The buffer joins the compute dtype explicitly, as real models do (mixed_precision
+        # keeps buffers in their own dtype by default, as autocast and FSDP2 do).
+        x = self.embed(tokens) * self.frozen_scale + self.offset.to(self.frozen_scale.dtype)
         for block in self.blocks:
             x = block(x)
         return self.head(self.final_norm(x))

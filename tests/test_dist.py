@@ -22,11 +22,11 @@ def test_all_gather_json_returns_every_ranks_data_without_pickle(world):
 
 def gather_and_reduce():
     group = dist.Group.resolve()
-    counter = dist.CommCounter(overlap=False)
+    comm = dist.Comm(group, overlap=False)
     shard = torch.full((3,), float(group.rank + 1), requires_grad=True)
-    full = dist.AllGather.apply(shard, group, counter)
+    full = dist.AllGather.apply(shard, comm)
     (full * torch.arange(full.numel(), dtype=torch.float32)).sum().backward()
-    return full.detach(), shard.grad, counter.all_gather, counter.reduce_scatter
+    return full.detach(), shard.grad, comm.gathered, comm.reduced
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -125,13 +125,23 @@ def test_value_and_grad_under_vmap_per_example_grads():
         torch.testing.assert_close(per_example["weight"][i], expected["weight"])
 
 
-def test_repeated_blocks():
-    assert zf.functional(TinyLM())[0] is not None
+def test_one_definition_of_the_blocks():
     from tests.models import Block
-    from zfunc.functional import repeated_blocks, select_blocks
+    from zfunc.functional import find_blocks, select_blocks
     model = TinyLM(depth=4)
-    assert repeated_blocks(model) == [f"blocks.{i}" for i in range(4)]
+    assert select_blocks(model) == [f"blocks.{i}" for i in range(4)]
+    _, params = zf.functional(model)
+    assert params.blocks == [f"blocks.{i}" for i in range(4)]  # recorded for shard, which has no model
+    assert zf.TrainState.create(params, zf.optim.sgd(0.1)).blocks == tuple(params.blocks)
     assert select_blocks(model, Block) == [f"blocks.{i}" for i in range(4)]
+    # Blocks need not be identical; nested containers are not blocks; containers are never blocks.
+    sizes = {"emb.w": 1, **{f"layers.{i}.attn.w": 1 for i in range(3)}, "layers.1.attn.b": 1,
+             **{f"layers.{i}.moe.experts.{e}.w": 1 for i in range(3) for e in range(8)}, "head.w": 1}
+    assert find_blocks(sizes) == ["layers.0", "layers.1", "layers.2"]
+    assert find_blocks({f"stack.{i}.{j}.w": 1 for i in range(2) for j in range(2)}) == \
+        ["stack.0.0", "stack.0.1", "stack.1.0", "stack.1.1"]
+    assert find_blocks({"enc.0.w": 1, "enc.1.w": 1, "dec.0.w": 1, "dec.1.w": 1}) == ["enc.0", "enc.1", "dec.0", "dec.1"]
+    assert find_blocks({"a.w": 1, "b.w": 1}) == []
     assert select_blocks(model, lambda n: n == "blocks.1") == ["blocks.1"]
     with pytest.raises(AttributeError):
         select_blocks(model, ["blocks.9"])

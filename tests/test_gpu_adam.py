@@ -1,4 +1,4 @@
-"""zfunc.kernels.gpu_adam: adam_flat_ / grad_stats_ / AdamSegments, both backends.
+"""zfunc.kernels.gpu_adam: adam_flat_ / AdamSegments, both backends.
 
 The torch backend runs here on the CPU and is checked against torch.optim.AdamW/Adam(fused=True)
 element by element. The Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zfunc.kernels import gpu_adam as ga
-from zfunc.kernels.gpu_adam import AdamSegments, adam_flat_, grad_stats_
+from zfunc.kernels.gpu_adam import AdamSegments, adam_flat_
 
 BETAS, EPS = (0.9, 0.999), 1e-8
 LR = 1e-3
@@ -345,54 +345,6 @@ def test_triton_found_inf_and_adam_without_decay(interpret):
         torch.testing.assert_close(p[1:], rp[1:], rtol=1e-6, atol=1e-9)
 
 
-# ----------------------------------------------------------------------------- grad_stats_
-
-def stats_inputs():
-    g32 = torch.randn(1003, generator=gen(4)) * 3
-    g16 = (torch.randn(77, generator=gen(5)) * 100).to(torch.bfloat16)
-    gh = (torch.randn(300, generator=gen(6)) * 1000).half().view(10, 30)
-    return [g32, g16, gh]
-
-
-@quiet
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_grad_stats(backend, scaled, request):
-    if backend == "triton":
-        request.getfixturevalue("interpret")
-    grads = stats_inputs()
-    before = [g.clone() for g in grads]
-    scale = torch.tensor(3.0) if scaled else None  # not a power of two: multiply by the fp32 reciprocal
-    found, sumsq = grad_stats_(grads, scale, backend=backend)
-    assert found.dtype == sumsq.dtype == torch.float32 and found.dim() == sumsq.dim() == 0
-    assert found.item() == 0.0
-    inv = torch.reciprocal(torch.tensor(3.0))
-    for g, b in zip(grads, before):
-        want = (b.float() * inv).to(b.dtype) if scaled else b
-        assert_bits_equal(g, want, "unscaled in place")
-    exact = sum(float((g.double() ** 2).sum()) for g in grads)
-    assert sumsq.item() == pytest.approx(exact, rel=2e-6)
-
-    for bad in (float("inf"), float("-inf"), float("nan")):
-        grads = stats_inputs()
-        grads[1][40] = bad
-        found, sumsq = grad_stats_(grads, scale, backend=backend)
-        assert found.item() == 1.0 and not torch.isfinite(sumsq)
-
-
-def test_grad_stats_edge_cases(interpret):
-    # lengths that are not multiples of ALIGN, a tail past the last full block, an empty buffer
-    for n in (1, 15, 17, 128, 129, 300):
-        g = torch.randn(n, generator=gen(n))
-        for backend in ("torch", "triton"):
-            found, sumsq = grad_stats_([g, torch.zeros(0)], backend=backend)
-            assert found.item() == 0.0
-            assert sumsq.item() == pytest.approx(float((g.double() ** 2).sum()), rel=2e-6)
-    g = torch.zeros(300)
-    g[299] = float("nan")
-    assert grad_stats_(g, backend="triton")[0].item() == 1.0
-
-
 # ----------------------------------------------------------------------------- bad inputs
 
 def test_adam_flat_bad_inputs():
@@ -441,8 +393,6 @@ def test_triton_backend_needs_cuda_or_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         adam_flat_(torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(4), seg, **step_args(1),
                    backend="triton")
-    with pytest.raises(ValueError, match="needs CUDA tensors"):
-        grad_stats_([torch.zeros(4)], backend="triton")
 
 
 def test_without_triton(monkeypatch):
@@ -454,19 +404,6 @@ def test_without_triton(monkeypatch):
     adam_flat_(*args, **step_args(1), backend="auto")  # the torch backend
     assert args[0].ne(0).all()
     assert not ga.triton_available()
-
-
-def test_grad_stats_bad_inputs():
-    with pytest.raises(ValueError, match="empty"):
-        grad_stats_([])
-    with pytest.raises(ValueError, match="dtype"):
-        grad_stats_([torch.zeros(3, dtype=torch.int64)])
-    with pytest.raises(ValueError, match="contiguous"):
-        grad_stats_([torch.zeros(4, 4).t()])
-    with pytest.raises(ValueError, match="grads\\[1\\] is on meta"):
-        grad_stats_([torch.zeros(3), torch.zeros(3, device="meta")])
-    with pytest.raises(ValueError, match="scale must be"):
-        grad_stats_([torch.zeros(3)], 2.0)
 
 
 # ----------------------------------------------------------------------------- CUDA (compiled kernels)
@@ -513,20 +450,6 @@ def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
         print(f"{what}: worst element, in units of the bound: zfunc {worst:.3f}, torch fused {worst_torch:.3f}")
         assert worst <= max(1.0, worst_torch), f"{what}: worst element {worst:.2f}x the few-ulp bound"
     assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
-
-
-@cuda
-def test_cuda_grad_stats_matches_torch(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    grads = [torch.randn(1_000_003, device="cuda"), torch.randn(77_777, device="cuda").to(torch.bfloat16)]
-    ref = [g.clone() for g in grads]
-    scale = torch.tensor(1024.0, device="cuda")
-    f1, s1 = grad_stats_(grads, scale, backend="triton")
-    f2, s2 = grad_stats_(ref, scale, backend="torch")
-    assert f1.item() == f2.item() == 0.0
-    assert s1.item() == pytest.approx(s2.item(), rel=1e-5)
-    for a, b in zip(grads, ref):
-        assert_bits_equal(a.cpu(), b.cpu(), "unscaled")
 
 
 # ----------------------------------------------------------------------------- benchmark smoke test

@@ -8,7 +8,7 @@ import zfunc as zf
 from tests.models import TinyLM, lm_loss, make_batch
 from zfunc.interpret import Transform
 from zfunc.transforms.accumulate import accumulate
-from zfunc.transforms.mixed_precision import MixedPrecisionState, Policy, mixed_precision, policy_of
+from zfunc.transforms.mixed_precision import MixedPrecisionState, Policy, mixed_precision
 
 K = 5
 
@@ -295,7 +295,8 @@ def test_apply_casts_inputs_constants_and_outputs():
 def test_running_statistics_are_written_back(inside_grad):
     x = torch.randn(8, 4)
     means = []
-    for wrap in (lambda s: s, lambda s: mixed_precision(s, "bf16")):
+    # BatchNorm needs its running statistics in its weight's dtype on the CPU: cast_buffers=True.
+    for wrap in (lambda s: s, lambda s: mixed_precision(s, "bf16", cast_buffers=True)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
         apply_fn, params = zf.functional(model)
@@ -372,10 +373,13 @@ def test_policy_forms():
         Policy("fp32", "tf32")
 
 
-def test_policy_of_finds_the_policy_in_a_stack():
+def test_the_stack_declares_the_policy_once():
     step = accumulate(mixed_precision(lambda s, b: (s, {}), "fp16"), micro_batches=2)
-    assert policy_of(step) == Policy.parse("fp16")
-    assert policy_of(lambda s, b: (s, {})) is None
+    facts = step.stack.facts
+    assert (facts.compute_dtype, facts.master_dtype, facts.reduce_dtype) == (torch.float16, torch.float32,
+                                                                             torch.float16)
+    assert facts.loss_scaling == "dynamic"
+    assert Policy.parse(torch.bfloat16) == Policy.parse("bf16")  # the torch dtype, as the message says
 
 
 def train_step(state, batch):

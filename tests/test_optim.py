@@ -205,7 +205,7 @@ def test_clip_by_global_norm_uses_psum(monkeypatch):
     """Under sharding psum adds the other ranks' squares: 4 equal shards double the norm."""
     grads = make_grads(1)[0]
     norm = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
-    monkeypatch.setattr(zfunc.interpret, "psum", lambda x: 4 * x)
+    monkeypatch.setattr(zfunc.optim.transforms, "psum", lambda x: 4 * x)
     clipped, _ = optim.clip_by_global_norm(norm).update(grads, optim.EmptyState())
     for name in SHAPES:
         torch.testing.assert_close(clipped[name], grads[name] * norm / (2 * norm + 1e-6), **TIGHT)
@@ -246,7 +246,7 @@ def test_trust_ratio_calls_psum_once_on_stacked_norms(monkeypatch):
         calls.append(tuple(x.shape))
         return x
 
-    monkeypatch.setattr(zfunc.interpret, "psum", fake_psum)
+    monkeypatch.setattr(zfunc.optim.transforms, "psum", fake_psum)
     tx = optim.lamb(0.01)
     params = make_params()
     tx.update(make_grads(1)[0], tx.init(params), params)

@@ -130,19 +130,12 @@ def peak_gathered_blocks(reshard: str) -> int:
         live = sum(1 for r in alive.values() if r() is not None and holds_memory(r()))
         peak[0] = max(peak[0], live)
 
-    original = zdist.all_gather_flat
     original_prefetch_init = zdist.Prefetch.__init__
 
-    def tracking(shard_, group, counter=None, out=None):
-        result = original(shard_, group, counter, out)
-        record(result)
-        return result
-
-    def tracking_prefetch(self, shard_, group, counter, out=None):
-        original_prefetch_init(self, shard_, group, counter, out)
+    def tracking_prefetch(self, comm, shard_, out, tag):  # every gather of shard goes through a Prefetch
+        original_prefetch_init(self, comm, shard_, out, tag)
         record(self.out)
 
-    zdist.all_gather_flat = tracking
     zdist.Prefetch.__init__ = tracking_prefetch
     try:
         step, state = build()
@@ -150,7 +143,6 @@ def peak_gathered_blocks(reshard: str) -> int:
         state = sharded.init(state)
         sharded(state, local_batch(0, rank, world))
     finally:
-        zdist.all_gather_flat = original
         zdist.Prefetch.__init__ = original_prefetch_init
     assert len(alive) >= 4  # root and every block were gathered, through the tracked paths
     return peak[0]

@@ -1,4 +1,7 @@
-"""shard's fused update: one adam_flat_ launch per unit, the compute copy written in the same pass."""
+"""shard's fused update: one kernel call per unit, the compute copy written in the same pass.
+
+On this CPU machine `zfunc.optim.fused` picks the numba kernel (the tensors are on the host); on a
+GPU the Triton one, through the same dispatcher."""
 
 from __future__ import annotations
 
@@ -11,18 +14,18 @@ from tests.shard_cases import STEPS, build, local_batch, rank_and_world, referen
 from zfunc.testing import run_distributed
 from zfunc.transforms import mixed_precision, shard
 
-gpu_adam = importlib.import_module("zfunc.kernels.gpu_adam")
+cpu_adam = importlib.import_module("zfunc.kernels.cpu_adam")
 
 
 def _fused_run(stage: int, policy: str | None, opt_kind: str):
     calls = []
-    original = gpu_adam.adam_flat_
+    original = cpu_adam.adamw_
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("out_lowp") is not None)
         return original(*args, **kwargs)
 
-    gpu_adam.adam_flat_ = counting
+    cpu_adam.adamw_ = counting
     try:
         inner, state = build(opt_kind)
         step = shard(mixed_precision(inner, policy) if policy else inner, stage=stage)
@@ -31,7 +34,7 @@ def _fused_run(stage: int, policy: str | None, opt_kind: str):
         for i in range(STEPS):
             state, _ = step(state, local_batch(i, rank, world))
     finally:
-        gpu_adam.adam_flat_ = original
+        cpu_adam.adamw_ = original
     units = len(state.extras["shard"].units)
     out = {"calls": calls, "units": units, "params": to_numpy(step.gather(state))}
     if policy:  # the compute copy is the master rounded to nearest even, bit for bit

@@ -86,13 +86,14 @@ def reduce_in_fp32():
 
     rank, world = rank_and_world()
     seen = []
-    original = zdist._reduce_scatter_into
+    original = zdist.dist.all_reduce  # gloo: gradients are reduced by an all-reduce (see Comm.reduce_scatter)
 
-    def spy(out, inp, *args, **kwargs):
-        seen.append(inp.dtype)
-        return original(out, inp, *args, **kwargs)
+    def spy(tensor, *args, **kwargs):
+        if tensor.numel() > 1:  # not a psum of a norm or an overflow count
+            seen.append(tensor.dtype)
+        return original(tensor, *args, **kwargs)
 
-    zdist._reduce_scatter_into = spy
+    zdist.dist.all_reduce = spy
     try:
         out = {}
         for stage in (1, 2, 3):
@@ -105,7 +106,7 @@ def reduce_in_fp32():
                 state, _ = stacked(state, batch)
             out[stage] = to_numpy(stacked.gather(state))
     finally:
-        zdist._reduce_scatter_into = original
+        zdist.dist.all_reduce = original
     return out, sorted({str(d) for d in seen})
 
 

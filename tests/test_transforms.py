@@ -6,7 +6,7 @@ import torch
 import zfunc as zf
 from tests.models import make_batch
 from tests.shard_cases import build
-from zfunc.interpret import Transform, active_transforms
+from zfunc.interpret import Transform, current
 from zfunc.transforms import accumulate, offload, shard
 
 
@@ -62,14 +62,14 @@ def test_stack_is_active_only_during_the_call():
     seen = []
 
     def step(state, batch):
-        seen.append([t.name for t in active_transforms()])
+        seen.append([t.name for t in current().stack.transforms])
         return state, {}
 
     stacked = shard(offload(accumulate(step, micro_batches=1)), stage=1)
     _, state = build()
     stacked(stacked.init(state), None)
     assert seen == [["shard", "offload", "accumulate"]]
-    assert active_transforms() == ()
+    assert current() is None
 
 
 def test_init_and_gather_of_plain_steps():
@@ -88,21 +88,19 @@ def test_transform_repr_and_type_checks():
 
 
 def test_custom_transform_sees_primitives():
+    calls = []
+
     class count_updates(Transform):  # noqa: N801
         name = "count_updates"
 
-        def __init__(self, step):
-            super().__init__(step)
-            self.calls = 0
-
-        def apply_gradients(self, next, state, grads):
-            self.calls += 1
-            return next(state, grads)
+        def apply_gradients(self, next, state, grads, request):
+            calls.append(int(state.step))
+            return next(state, grads, request)
 
     step, state = build()
     counted = count_updates(step)
     run(counted, counted.init(state))
-    assert counted.calls == 3
+    assert calls == [0, 1, 2]
 
 
 def test_train_state_is_a_pytree_for_optree_and_torch():

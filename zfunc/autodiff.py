@@ -10,11 +10,16 @@ Two routes to the same numbers, picked per call:
 
 Why not always torch.func: `torch.func.grad` runs its backward with
 ``create_graph=True`` and keeps saved tensors alive until it returns (~2.5x
-``backward()``'s peak, DESIGN.md), and even a first-order `torch.func.vjp`
-measured +35% peak over ``backward()`` on an 8-layer MLP here
-(benchmarks/value_and_grad_memory.py), while autograd frees each saved
-tensor as soon as backward has used it. Use `torch.func.grad` directly for
-higher-order derivatives.
+``backward()``'s peak on an 8-block MLP, measured before zfunc's first line),
+and even a first-order `torch.func.vjp` measured +35% peak over
+``backward()`` on an 8-layer MLP here (benchmarks/value_and_grad_memory.py),
+while autograd frees each saved tensor as soon as backward has used it. Use
+`torch.func.grad` directly for higher-order derivatives.
+
+After its backward returns, the plain implementation dispatches
+``gradients_ready`` (see `zfunc.interpret`): transforms that started
+asynchronous work during backward (`shard`'s reductions) finish it there, so
+the gradients are final when ``value_and_grad`` returns.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from zfunc.interpret import dispatch
+from zfunc.interpret import dispatch, gradients_ready
 from zfunc.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -82,6 +87,7 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
         (grads,) = vjp_fn(torch.ones_like(loss), retain_graph=False, create_graph=False)
     else:
         loss, grads, aux_tensors = _autograd_value_and_grad(loss_of, params)
+    grads = gradients_ready(grads)
     if not has_aux:
         return loss.detach(), grads
     tensors, others = iter(aux_tensors), iter(side["others"])
@@ -95,8 +101,19 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
     inputs = [leaf.detach().requires_grad_() for leaf in leaves]
     with torch.enable_grad():
         loss, aux_tensors = loss_of(tree_unflatten(spec, inputs))
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True, materialize_grads=True)
-    return loss, tree_unflatten(spec, list(grads)), aux_tensors
+    if loss.grad_fn is None:
+        raise ValueError(
+            "value_and_grad: the loss does not depend on the params it was given, so every gradient would be "
+            "zero. Compute the loss from the params argument: call apply_fn(params, ...) (from zf.functional) "
+            "inside the loss function, not the module itself, and do not detach the params.")
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    if all(g is None for g in grads):
+        raise ValueError(
+            "value_and_grad: no parameter received a gradient: the loss does not depend on the params it was "
+            "given. Call apply_fn(params, ...) (from zf.functional) inside the loss function, not the module "
+            "itself.")
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+    return loss, tree_unflatten(spec, grads), aux_tensors
 
 
 def under_torch_func_or_compile() -> bool:

@@ -1,11 +1,21 @@
-"""zfunc's one contact with torch.distributed: the group and differentiable collectives.
+"""zfunc's one contact with torch.distributed: the group, bounded waits, a step's collectives.
 
-Each collective that gradients flow through lives inside the ``forward`` of
-its own `autograd.Function`, and each one's backward calls its partner
-Function (all-gather <-> reduce-scatter). DESIGN.md records why: a collective
-called directly in ``Function.backward`` fails under the functorch transforms
-on gloo, one called directly in the loss is silently treated as a constant,
-and torch's functional collectives lack ``setup_context``.
+- `Group`: a process group, its rank, size, device and timeout (a world of
+  1 without torch.distributed; refused when a launcher started several ranks
+  that never joined a group).
+- `wait`, `all_gather_json`, `agree`: control exchanges (metadata, checks
+  that ranks agree) that wait at most ``Group.timeout`` and then raise
+  `CollectiveError` naming what never met, instead of hanging.
+- `Comm`: the collectives of one step (all-gather, reduce-scatter, sums),
+  their element counts, the reductions in flight, and a fingerprint of the
+  sequence issued, so ranks that ran different units are caught.
+- `AllGather` / `ReduceScatter` / `Replicated`: differentiable collectives
+  for torch.func transforms. Each lives in the ``forward`` of its own
+  `autograd.Function` and its backward calls its partner Function: measured
+  before zfunc's first line, a collective called directly in a Function's
+  backward fails under the functorch transforms on gloo, one called directly
+  in the loss is silently treated as a constant, and torch's functional
+  collectives lack ``setup_context``.
 
 Gradient convention (data parallelism): every rank computes a loss on its own
 batch, and the gradient of a gathered parameter is the *mean* over ranks of
@@ -17,10 +27,11 @@ with a mean loss.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
-import threading
-import time
+import zlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,131 +105,153 @@ class Group:
         return t if t.device == self.device else t.to(self.device, non_blocking=True)
 
 
-@dataclasses.dataclass
-class CommCounter:
-    """Elements moved per rank by the collectives of one step, by kind.
+class Comm:
+    """The collectives of one step of `shard`, their counts, and the reductions still in flight.
 
-    Also holds the gradient reduce-scatters still in flight (``pending``):
-    they are issued asynchronously while backward goes on, and their results
-    are read only after `wait_pending`, so communication overlaps compute.
+    Gradient reduce-scatters are issued asynchronously while backward goes on
+    (``pending``) and finished in `finish_pending`, which `shard` calls when
+    the backward pass that issued them has returned (the ``gradients_ready``
+    primitive), so communication overlaps compute. Every wait is bounded by
+    ``group.timeout`` on the host (gloo); on NCCL a wait only orders the
+    current stream and a hang ends in NCCL's own watchdog timeout.
 
-    ``listeners`` are told of each tagged gradient reduction as soon as it is
-    issued, as ``listener(tag, result, wait)``: ``result`` holds its final
-    value once ``wait()`` returned (``wait`` blocks the host on gloo and the
-    calling thread's current stream on NCCL). `offload` starts moving and
-    updating a unit's gradients this way while backward goes on.
+    ``sequence`` fingerprints the collectives issued so far (kind, unit, size,
+    in order): ranks that ran different units (a module run on some ranks
+    only) have different fingerprints, which `shard` checks before it lets an
+    update use the gradients.
     """
 
-    all_gather: int = 0
-    reduce_scatter: int = 0
-    all_reduce: int = 0
-    pending: list = dataclasses.field(default_factory=list)
-    overlap: bool = True
-    reduce_dtype: torch.dtype | None = None  # gradients are reduced in this dtype (None: their own)
-    listeners: list = dataclasses.field(default_factory=list)
-
-    def announce(self, tag, result: torch.Tensor, wait) -> None:
-        if tag is not None:
-            for listener in self.listeners:
-                listener(tag, result, wait)
-
-    def wait_pending(self) -> None:
-        """Block (the host on gloo, the current stream on NCCL) until every pending collective is done."""
-        while self.pending:
-            ready, finish = self.pending.pop(0)
-            ready()
-            finish()
+    def __init__(self, group: "Group", reduce_dtype: torch.dtype | None = None, overlap: bool = True) -> None:
+        self.group = group
+        self.reduce_dtype = reduce_dtype  # gradients are reduced in this dtype (None: their own)
+        self.overlap = overlap
+        self.gathered = 0  # elements moved per rank, by kind of collective
+        self.reduced = 0
+        self.summed = 0
+        self.pending: list[tuple[object, Callable[[], None]]] = []  # (work, finisher)
+        self.sequence = 0
+        self.waits = 0  # how many times pending reductions were waited for (tests count them)
 
     @property
     def total(self) -> int:
-        return self.all_gather + self.reduce_scatter + self.all_reduce
+        return self.gathered + self.reduced + self.summed
 
+    def _note(self, kind: str, tag, numel: int) -> None:
+        self.sequence = zlib.crc32(f"{kind}:{tag}:{numel};".encode(), self.sequence)
 
-def all_gather_flat(shard: torch.Tensor, group: Group, counter: CommCounter | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenation over ranks of each rank's 1-D ``shard`` (not differentiable), into ``out`` if given."""
-    if group.size == 1:
-        return shard.clone() if out is None else out.copy_(shard)
-    if out is None:
-        out = group.place(shard).new_empty(shard.numel() * group.size)
-    target = group.place(out)
-    _all_gather_into(target, group.place(shard).contiguous(), group=group.handle)
-    if target is not out:
-        out.copy_(target)
-    if counter is not None:
-        counter.all_gather += out.numel()
-    return out
+    def finish(self, work, what: str) -> None:
+        """Wait for one collective: on the host within ``group.timeout`` (gloo), or by ordering the
+        current stream after it (NCCL)."""
+        if self.group.device.type == "cuda":
+            work.wait()
+        else:
+            wait(work, self.group, what)
 
+    # -- the collectives ------------------------------------------------------
+    def all_gather(self, shard: torch.Tensor, out: torch.Tensor | None = None, tag=None) -> torch.Tensor:
+        """Concatenation over ranks of each rank's 1-D ``shard`` (not differentiable), into ``out`` if given."""
+        return self.all_gather_async(shard, out, tag).result()
 
-def reduce_scatter_flat(full: torch.Tensor, group: Group, counter: CommCounter | None = None,
-                        tag=None) -> torch.Tensor:
-    """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable).
+    def all_gather_async(self, shard: torch.Tensor, out: torch.Tensor | None = None, tag=None) -> "Prefetch":
+        """The same gather, issued now and redeemed with ``.result()`` (e.g. while another block computes)."""
+        self._note("all_gather", tag, shard.numel())
+        return Prefetch(self, shard, out, tag)
 
-    ``tag`` names the reduction for ``counter.listeners`` (shard: the unit).
-    """
-    if group.size == 1:
-        out = full.clone()
-        if counter is not None:
-            counter.announce(tag, out, _ready)
-        return out
-    reduce_dtype = counter.reduce_dtype if counter is not None else None
-    send = full if reduce_dtype in (None, full.dtype) else full.to(reduce_dtype)  # e.g. bf16 grads in fp32
-    placed = group.place(send).contiguous()
-    out = placed.new_empty(full.numel() // group.size)
-    if counter is not None:
-        counter.reduce_scatter += full.numel()
-    if counter is not None and counter.overlap and out.device == full.device:
-        # Asynchronous: the caller gets the result now and must not read it
-        # before counter.wait_pending() (shard does so when backward ends).
-        work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
-        ready = ReadyOnce(work, out.device)
-        if out.dtype == full.dtype:
-            counter.pending.append((ready, lambda: None))
-            _wait_when_backward_ends(counter)
-            counter.announce(tag, out, ready)
-            return out
-        result = full.new_empty(out.numel())
-        counter.pending.append((ready, lambda: result.copy_(out)))  # back to the gradient's dtype once landed
-        _wait_when_backward_ends(counter)
+    def reduce_scatter(self, full: torch.Tensor, tag=None) -> torch.Tensor:
+        """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable).
+
+        With ``overlap`` it is asynchronous: the caller gets the result now and
+        must not read it before `finish_pending` (shard reads gradients only
+        after the backward pass that made them returned).
+
+        On gloo it is an all-reduce (sum, then ÷ N) of which this rank keeps its
+        slice: gloo's reduce-scatter work neither reports completion nor honours
+        a timeout, so a rank that never joins would hang it forever.
+        """
+        group = self.group
+        self._note("reduce_scatter", tag, full.numel())
+        if group.size == 1:
+            return full.clone()
+        send = full if self.reduce_dtype in (None, full.dtype) else full.to(self.reduce_dtype)  # e.g. bf16 in fp32
+        placed = group.place(send).contiguous()
+        size = full.numel() // group.size
+        self.reduced += full.numel()
+        if group.device.type == "cpu":
+            summed = placed.clone() if placed is full else placed
+            work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+            mine = summed[group.rank * size:(group.rank + 1) * size]
+            result = full.new_empty(size)
+            finisher = lambda: result.copy_(mine.div_(group.size))  # noqa: E731
+        else:
+            out = placed.new_empty(size)
+            work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
+            result = out if out.dtype == full.dtype else full.new_empty(size)
+            finisher = _nothing if result is out else lambda: result.copy_(out)  # back to the gradient's dtype
+        if self.overlap:
+            self.pending.append((work, finisher))
+        else:
+            self.finish(work, f"reducing the gradients of unit {tag!r}")
+            finisher()
         return result
-    _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle)
-    out = out.to(device=full.device, dtype=full.dtype)
-    if counter is not None:
-        counter.announce(tag, out, _ready)
-    return out
+
+    def finish_pending(self) -> None:
+        """Wait for every reduction in flight (see the class docstring)."""
+        if self.pending:
+            self.waits += 1
+        while self.pending:
+            work, finisher = self.pending.pop(0)
+            self.finish(work, "reducing gradients")
+            finisher()
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over ranks of ``x`` (a new tensor; not differentiable)."""
+        group = self.group
+        self._note("all_reduce", None, x.numel())
+        if group.size == 1:
+            return x
+        out = group.place(x.detach()).clone()
+        self.finish(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.handle, async_op=True), "a sum over ranks")
+        self.summed += out.numel()
+        return out.to(x.device)
+
+    def check_sequence(self, what: str) -> None:
+        """Raise on every rank if the ranks issued different collectives (see the class docstring)."""
+        if self.group.size > 1:
+            agree(self.sequence, self.group, what)
 
 
-def _ready() -> None:
-    """The ``wait`` of a result that is already final."""
+def _nothing() -> None:
+    """The finisher of a reduction that lands where it is read."""
 
 
-class ReadyOnce:
-    """``wait`` for an asynchronous collective that several streams (or threads) may call.
+class Prefetch:
+    """An all-gather issued ahead of its use (asynchronously), redeemed once with `result`.
 
-    A work's ``wait()`` is not idempotent: on NCCL only its first call makes
-    the calling stream wait (a second caller's stream would read the result
-    too early), and on gloo every call bumps the result's version counter.
-    So the work is waited once; on CUDA an event recorded right after on that
-    caller's stream is what later callers' streams wait for.
+    `shard(stage=3)` gathers the next block's parameters while the current
+    block computes. Every rank issues the same prefetches in the same order,
+    so collectives stay matched across ranks.
     """
 
-    def __init__(self, work, device: torch.device) -> None:
-        self.work, self.cuda = work, device.type == "cuda"
-        self.event = None
-        self.lock = threading.Lock()
-        self.waited = False
+    def __init__(self, comm: Comm, shard: torch.Tensor, out: torch.Tensor | None, tag) -> None:
+        group = comm.group
+        placed = group.place(shard).contiguous()
+        self.out = placed.new_empty(shard.numel() * group.size) if out is None else out
+        self.comm, self.tag, self.work = comm, tag, None
+        if group.size == 1:
+            self.out.copy_(placed)
+            return
+        target = group.place(self.out)
+        self.work = _all_gather_into(target, placed, group=group.handle, async_op=True)
+        self.target = target
+        comm.gathered += self.out.numel()
 
-    def __call__(self) -> None:
-        with self.lock:
-            if not self.waited:
-                self.work.wait()
-                if self.cuda:
-                    self.event = torch.cuda.Event()
-                    self.event.record()
-                self.waited = True
-                return
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.comm.finish(self.work, f"gathering the parameters of unit {self.tag!r}")
+            self.work = None
+            if self.target is not self.out:
+                self.out.copy_(self.target)
+        return self.out
 
 
 def wait(work, group: Group, what: str) -> None:
@@ -226,21 +259,18 @@ def wait(work, group: Group, what: str) -> None:
 
     Past it, raise `CollectiveError` naming ``what``: the other ranks are
     elsewhere (another step or stage, a rank that skipped the call, a dead
-    rank), and waiting on would hang the job with no word. Polls the work
-    (``is_completed``), which both gloo and NCCL answer without blocking.
+    rank), and waiting on would hang the job with no word.
     """
-    deadline = time.monotonic() + group.timeout
-    pause = 1e-4
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise CollectiveError(
-                f"{what}: rank {group.rank} of {group.size} waited {group.timeout:g} s for the other ranks, which "
-                f"never joined. Every rank must make the same zfunc calls in the same order (the same step, "
-                f"stage and model; e.g. every rank calls zf.io.save). Raise the limit with ${TIMEOUT_ENV} if a "
-                "rank is merely slow.")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    work.wait()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=group.timeout))
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+            raise
+        raise CollectiveError(
+            f"{what}: rank {group.rank} of {group.size} waited {group.timeout:g} s for the other ranks, which "
+            f"never joined. Every rank must make the same zfunc calls in the same order (the same step, "
+            f"stage and model; e.g. every rank calls zf.io.save). Raise the limit with ${TIMEOUT_ENV} if a "
+            "rank is merely slow.") from None
 
 
 def all_gather_json(obj, group: Group, what: str = "exchanging metadata between ranks") -> list:
@@ -319,95 +349,52 @@ def _short(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _wait_when_backward_ends(counter: CommCounter) -> None:
-    """Have the running backward pass wait for ``counter``'s collectives before it returns.
-
-    Whoever called backward (zf.value_and_grad, micro-batch by micro-batch
-    under `accumulate`) may read the gradients as soon as it returns, so the
-    wait is queued on the autograd engine (as DDP and FSDP do). Outside a
-    backward pass this does nothing; the caller waits explicitly.
-    """
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(counter.wait_pending)
-    except RuntimeError:  # not inside backward
-        pass
-
-
-def all_reduce_sum(x: torch.Tensor, group: Group, counter: CommCounter | None = None) -> torch.Tensor:
-    """Σ over ranks of ``x`` (a new tensor; not differentiable)."""
-    if group.size == 1:
-        return x
-    out = group.place(x.detach()).clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group.handle)
-    out = out.to(x.device)
-    if counter is not None:
-        counter.all_reduce += out.numel()
-    return out
-
-
-class Prefetch:
-    """An all-gather issued ahead of its use (asynchronously), redeemed once with `result`.
-
-    `shard(stage=3)` gathers the next block's parameters while the current
-    block computes. Every rank issues the same prefetches in the same order,
-    so collectives stay matched across ranks.
-    """
-
-    def __init__(self, shard: torch.Tensor, group: Group, counter: CommCounter,
-                 out: torch.Tensor | None = None) -> None:
-        placed = group.place(shard).contiguous()
-        self.out = placed.new_empty(shard.numel() * group.size) if out is None else out
-        self.work = None
-        if group.size == 1:
-            self.out.copy_(placed)
-        else:
-            self.work = _all_gather_into(self.out, placed, group=group.handle, async_op=True)
-            counter.all_gather += self.out.numel()
-
-    def result(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.out
+# --------------------------------------------------------------------------
+# Differentiable collectives, for torch.func transforms (shard's plain-autograd path has
+# its own node per unit, `zfunc.transforms.shard_units`). Their reductions are synchronous:
+# a unit used twice gets two reductions, which autograd sums at once.
 
 
 class AllGather(torch.autograd.Function):
     """``full = cat_r(shard_r)``; backward: ``grad_shard = mean_r(grad_full)[this rank]``.
 
     ``prefetched``: a `Prefetch` of the same gather issued earlier, used instead of gathering now.
-    ``tag``: passed on to the reduce-scatter of backward (see `CommCounter.listeners`).
     """
 
     @staticmethod
-    def forward(shard, group, counter, prefetched=None, tag=None):
+    def forward(shard, comm, prefetched=None, tag=None):
         if prefetched is not None:
             return prefetched.result()
-        return all_gather_flat(shard, group, counter)
+        return comm.all_gather(shard, tag=tag)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.counter = inputs[1], inputs[2]
-        ctx.tag = inputs[4] if len(inputs) > 4 else None
+        ctx.comm = inputs[1]
+        ctx.tag = inputs[3] if len(inputs) > 3 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter, ctx.tag), None, None, None, None
+        return ReduceScatter.apply(grad_full, ctx.comm, ctx.tag), None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
     """``shard = mean_r(full_r)[this rank]``; backward: all-gather divided by N."""
 
     @staticmethod
-    def forward(full, group, counter, tag=None):
-        return reduce_scatter_flat(full, group, counter, tag)
+    def forward(full, comm, tag=None):
+        overlap, comm.overlap = comm.overlap, False
+        try:
+            return comm.reduce_scatter(full, tag)
+        finally:
+            comm.overlap = overlap
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.counter = inputs[1], inputs[2]
+        ctx.comm = inputs[1]
 
     @staticmethod
     def backward(ctx, grad_shard):
-        return AllGather.apply(grad_shard, ctx.group, ctx.counter) / ctx.group.size, None, None, None
+        return AllGather.apply(grad_shard, ctx.comm) / ctx.comm.group.size, None, None
 
 
 class Replicated(torch.autograd.Function):
@@ -422,17 +409,17 @@ class Replicated(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(shard, holder, group, counter, tag=None):
+    def forward(shard, holder, comm, tag=None):
         return holder.full.view(-1)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.group, ctx.counter = inputs[2], inputs[3]
-        ctx.tag = inputs[4] if len(inputs) > 4 else None
+        ctx.comm = inputs[2]
+        ctx.tag = inputs[3] if len(inputs) > 3 else None
 
     @staticmethod
     def backward(ctx, grad_full):
-        return ReduceScatter.apply(grad_full, ctx.group, ctx.counter, ctx.tag), None, None, None, None
+        return ReduceScatter.apply(grad_full, ctx.comm, ctx.tag), None, None, None
 
 
 class Holder:

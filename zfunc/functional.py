@@ -17,10 +17,19 @@ What is carried where (the decision this module makes for the whole library):
   transform, which forbids mutating captured tensors, it is refused with an
   error that says what to do.
 
+- **which parameters train** is decided when ``functional`` is called:
+  setting ``requires_grad`` on a module's parameter afterwards is refused at
+  the next call (build a new ``functional(model)`` and state instead).
+
 Transforms change *how* the model runs through the ``apply`` primitive: they
 receive a `ModelCall` and may swap its params (cast, gather) or wrap chosen
 sub-modules ("blocks") — e.g. `shard` gathers a block's parameters just
-before it runs and `checkpoint` recomputes it in backward.
+before it runs and `checkpoint` recomputes it in backward. Which sub-modules
+are the model's blocks has one definition, `find_blocks`, used by both.
+
+Everything that depends only on the module's structure (a block's parameter
+names, the slots `zfunc.reparametrize` swaps, the frozen tensors) is found
+once and kept in a `ModelStructure` beside the apply function.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from zfunc.interpret import dispatch
+from zfunc.interpret import current, dispatch
 from zfunc.reparametrize import swapped
 from zfunc.tree import describe_mismatch, register_pytree_node
 
@@ -62,7 +71,7 @@ class ModelCall:
     params: dict[str, torch.Tensor]
     args: tuple
     kwargs: dict
-    aliases: dict[str, str]
+    structure: "ModelStructure"
     block_wrappers: dict[str, list[tuple[str, BlockWrapper]]] = dataclasses.field(default_factory=dict)
     # Replacements, by qualified name, for the module's own non-trainable
     # tensors (frozen parameters, buffers): e.g. compute-dtype copies under
@@ -70,10 +79,18 @@ class ModelCall:
     # own forward, so a block recomputed in backward sees them too.
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     recompute_required: set[str] = dataclasses.field(default_factory=set)
-    # Lookups that depend only on the module's structure, kept by the functional model across
-    # calls: each walks modules, which would otherwise happen per block per forward (a block's
-    # param names and ties, `zfunc.reparametrize` slots, the names outside wrapped blocks).
-    cache: dict = dataclasses.field(default_factory=dict)
+    # Keys whose tensor in ``params`` is not the full parameter (a shard that a block wrapper
+    # gathers): outside its block such a parameter cannot be used (see `run_model_call`).
+    partial_keys: frozenset = frozenset()
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Every trainable qualified name, tied ones included -> its key in params."""
+        return self.structure.aliases
+
+    def recomputed(self, name: str) -> bool:
+        """Whether block ``name`` is recomputed in backward (an "around" wrapper, or a required recompute)."""
+        return name in self.recompute_required or any(k == "around" for k, _ in self.block_wrappers.get(name, ()))
 
     def wrap_block(self, name: str, wrapper: BlockWrapper,
                    kind: Literal["materialize", "around"] = "around") -> None:
@@ -94,32 +111,161 @@ class ModelCall:
 
     def block_param_names(self, name: str) -> dict[str, str]:
         """``{local name: params key}`` of the trainable parameters of block ``name``."""
-        key = ("block_param_names", name)
-        if key not in self.cache:
-            self.cache[key] = block_param_names(self.model, name, self.aliases)
-        return self.cache[key]
+        return self.structure.block_param_names(name)
+
+
+class ModelStructure:
+    """What depends only on a module's structure, found once per model and kept across calls.
+
+    Each lookup walks modules, which would otherwise happen per block per
+    forward. Filled lazily; every entry is a pure function of the module tree
+    as it was when `functional` was called (a concurrent fill computes the
+    same value).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.aliases: dict[str, str] = {}
+        canonical_of: dict[int, str] = {}
+        self.trainable: list[tuple[str, dict, str, torch.Tensor]] = []  # (name, owner's _parameters, attr, tensor)
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None and p.requires_grad:
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    self.aliases[name] = canonical_of.setdefault(id(p), name)
+                    self.trainable.append((name, module._parameters, attr, p))
+        self.keys = frozenset(self.aliases.values())
+        self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
+        self._block_names: dict[str, dict[str, str]] = {}
+        self._block_ties: dict[str, bool] = {}
+        self._outer: dict[tuple, list[tuple[str, str]]] = {}
+        self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._blocks: list[str] | None = None
+        self._selections: dict = {}
+        self._of_type: dict = {}
+        # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
+        self.constant_slots: list | None = None
+
+    def select(self, modules: Any) -> list[str]:
+        """`select_blocks` for this model, found once per distinct ``modules`` argument."""
+        key = tuple(modules) if isinstance(modules, list) else modules
+        found = self._selections.get(key)
+        if found is None:
+            found = self._selections[key] = select_blocks(self.model, modules, self)
+        return found
+
+    def submodules_of_type(self, name: str, kind: type) -> list[tuple[str, nn.Module]]:
+        """``(qualified name, module)`` of block ``name``'s sub-modules of type ``kind`` (itself included)."""
+        found = self._of_type.get((name, kind))
+        if found is None:
+            block = self.model.get_submodule(name)
+            found = self._of_type[(name, kind)] = [
+                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)]
+        return found
+
+    def blocks(self) -> list[str]:
+        """The model's repeated blocks (`find_blocks` over every parameter, frozen ones included)."""
+        if self._blocks is None:
+            self._blocks = find_blocks({n: p.numel() for n, p in
+                                        self.model.named_parameters(remove_duplicate=False)})
+        return self._blocks
+
+    def block_param_names(self, name: str) -> dict[str, str]:
+        """``{local name in block: key in params}`` for a sub-module's trainable params."""
+        names = self._block_names.get(name)
+        if names is None:
+            block = self.model.get_submodule(name)
+            prefix = f"{name}." if name else ""
+            names = {local: self.aliases[prefix + local]
+                     for local, p in block.named_parameters(remove_duplicate=False) if p.requires_grad}
+            self._block_names[name] = names
+        return names
 
     def block_has_ties(self, name: str) -> bool:
         """Whether block ``name`` holds one tensor under two names (then swapping its params in
         must re-tie them, which walks the block's modules; most blocks need not)."""
-        key = ("block_has_ties", name)
-        if key not in self.cache:
+        tied = self._block_ties.get(name)
+        if tied is None:
             block = self.model.get_submodule(name)
             named = list(block.named_parameters(remove_duplicate=False)) + \
                 list(block.named_buffers(remove_duplicate=False))
-            self.cache[key] = len({id(t) for _, t in named}) < len(named)
-        return self.cache[key]
+            tied = self._block_ties[name] = len({id(t) for _, t in named}) < len(named)
+        return tied
+
+    def outer_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``(name, key)`` of the trainable names outside the blocks with these ``prefixes``."""
+        outer = self._outer.get(prefixes)
+        if outer is None:
+            outer = self._outer[prefixes] = [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)]
+        return outer
+
+    def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``(name, key)`` of the trainable names inside the blocks with these ``prefixes``."""
+        outer = set(self.outer_names(prefixes))
+        return [(n, k) for n, k in self.aliases.items() if (n, k) not in outer]
+
+    def placeholders(self, keys: frozenset, params: dict) -> dict[str, torch.Tensor]:
+        """``{name: placeholder}`` for every trainable name whose key is in ``keys``: a tensor with the
+        parameter's shape and the dtype and device of ``params[key]``, holding no data, that refuses any
+        computation (`OutsideItsBlock`). Built once per set of keys."""
+        sample = params[next(iter(keys))]
+        index = (keys, sample.dtype, sample.device)
+        found = self._placeholders.get(index)
+        if found is None:
+            shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
+            found = self._placeholders[index] = {
+                name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device)
+                for name, key in self.aliases.items() if key in keys}
+        return found
+
+    def check_trainable(self) -> None:
+        """Refuse a call after the module's trainable set changed since `functional` was called."""
+        for name, where, attr, p in self.trainable:
+            # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
+            # is only a template); what matters is that it still trains.
+            now = where.get(attr)
+            if not p.requires_grad or (now is not None and not now.requires_grad):
+                raise ValueError(
+                    f"the module's parameter {name!r} had requires_grad set to False after "
+                    "zf.functional(model), which has no effect: "
+                    "which parameters train is fixed when functional() is called (the params dict and the "
+                    "optimizer state hold exactly those). To freeze it, set requires_grad=False before calling "
+                    "zf.functional(model) and build a new state from its params (restore the weights with "
+                    "zfunc.io.restore(..., strict=False) if you are resuming).")
 
 
-def block_param_names(model: nn.Module, name: str, aliases: dict[str, str]) -> dict[str, str]:
-    """``{local name in block: key in params}`` for a sub-module's trainable params."""
-    block = model.get_submodule(name)
-    prefix = f"{name}." if name else ""
-    out = {}
-    for local, p in block.named_parameters(remove_duplicate=False):
-        if p.requires_grad:
-            out[local] = aliases[prefix + local]
-    return out
+class OutsideItsBlock(torch.Tensor):
+    """What a sharded block's parameter is, outside its block, during a call (see `run_model_call`).
+
+    It reports the parameter's shape, dtype and device (code that only reads
+    ``model.dtype`` or ``model.device`` keeps working) and raises a clear
+    error on any computation: under `shard` a block's parameters exist whole
+    only while the block runs.
+    """
+
+    @staticmethod
+    def __new__(cls, name: str, key: str, shape, dtype, device):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        t.param_name, t.key = name, key
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        found = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, OutsideItsBlock)), None)
+        name = found.param_name if found is not None else "a block parameter"
+        block = name.rpartition(".")[0]
+        raise RuntimeError(
+            f"{name} is used outside its block ({func.__name__}): under shard(stage=2|3) a block's parameters "
+            f"are gathered only while that block runs, so they cannot be read elsewhere in the model (e.g. a "
+            f"weight shared with a layer outside the block, or F.linear(h, model.{name}) after the blocks). "
+            f"Make the block part of the root unit, whose parameters stay available for the whole step: pass "
+            f"shard(..., units=[...]) listing the blocks without the one holding it (e.g. without {block!r}).")
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"OutsideItsBlock({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 class FunctionalModel:
@@ -132,19 +278,33 @@ class FunctionalModel:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.aliases: dict[str, str] = {}
-        self._cache: dict = {}  # ModelCall.cache
-        canonical_of: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if not p.requires_grad:
-                continue
-            self.aliases[name] = canonical_of.setdefault(id(p), name)
+        self.structure = ModelStructure(model)
+        self.aliases = self.structure.aliases
         self.param_spec = {name: (p.shape, p.dtype) for name, p in model.named_parameters()
                            if p.requires_grad}
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        call = ModelCall(self.model, params, args, kwargs, self.aliases, cache=self._cache)
+        if not isinstance(params, dict):
+            raise TypeError(f"apply_fn takes the params dict first (from zf.functional), got {type(params).__name__}")
+        self.structure.check_trainable()
+        if current() is None:
+            self._check_full(params)
+        call = ModelCall(self.model, params, args, kwargs, self.structure)
         return dispatch("apply", run_model_call, call)
+
+    def _check_full(self, params: dict) -> None:
+        """Outside a transformed step the params must be full tensors (not a sharded state's)."""
+        missing = sorted(self.structure.keys - params.keys())
+        if missing:
+            raise ValueError(f"params lack {len(missing)} trainable tensors of {type(self.model).__name__}: "
+                             f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
+        for key, (shape, _) in self.param_spec.items():
+            t = params.get(key)
+            if isinstance(t, torch.Tensor) and t.shape != shape:
+                hint = (" They look like the 1-D shards of a state under shard(stage=3): evaluate on full "
+                        "parameters, full = step.gather(state), then apply_fn(full, ...).") if t.dim() == 1 else ""
+                raise ValueError(f"apply_fn: params[{key!r}] has shape {tuple(t.shape)}, the model's parameter has "
+                                 f"{tuple(shape)}.{hint}")
 
     def release_module_params(self) -> None:
         """Free the template module's own trainable tensors (keep frozen ones and buffers).
@@ -179,17 +339,20 @@ class Params(dict):
     checkpoints export every name the model has. Copies made with ``dict(...)`` or a
     comprehension are plain dicts and record none."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], ties: dict[str, str]) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], ties: dict[str, str],
+                 blocks: list[str] | None = None) -> None:
         super().__init__(tensors)
         self.ties = dict(ties)
+        self.blocks = None if blocks is None else list(blocks)
 
 
 # A pytree node like a dict (keys sorted, as optree orders dicts), so tree utilities and
 # torch.func see its tensors; the ties ride along as static data.
 register_pytree_node(
     Params,
-    lambda p: ([p[k] for k in sorted(p)], (tuple(sorted(p)), tuple(sorted(p.ties.items())))),
-    lambda static, values: Params(dict(zip(static[0], values)), dict(static[1])),
+    lambda p: ([p[k] for k in sorted(p)], (tuple(sorted(p)), tuple(sorted(p.ties.items())),
+                                           None if p.blocks is None else tuple(p.blocks))),
+    lambda static, values: Params(dict(zip(static[0], values)), dict(static[1]), static[2]),
 )
 
 
@@ -209,7 +372,7 @@ def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tenso
     apply_fn = FunctionalModel(model)
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     ties = {alias: key for alias, key in apply_fn.aliases.items() if alias != key}
-    return apply_fn, Params(params, ties)
+    return apply_fn, Params(params, ties, apply_fn.structure.blocks())
 
 
 # --------------------------------------------------------------------------
@@ -218,29 +381,33 @@ def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tenso
 
 def run_model_call(call: ModelCall) -> Any:
     """Run ``call``: the module with its params swapped in (what `torch.func.functional_call`
-    does, see `zfunc.reparametrize`), honouring block wrappers."""
-    model = call.model
-    keys = call.cache.get("keys")
-    if keys is None:
-        keys = call.cache["keys"] = frozenset(call.aliases.values())
-    if not call.block_wrappers and not call.params.keys() >= keys:
-        missing = {k for k in call.aliases.values() if k not in call.params}
+    does, see `zfunc.reparametrize`), honouring block wrappers.
+
+    Names inside a wrapped block take their params from the block's body. Every
+    other name (a tied twin outside the block included) takes them from the
+    call; a name inside a wrapped block whose tensor in the call is only a
+    shard (``call.partial_keys``) gets an `OutsideItsBlock` placeholder
+    outside the block, so a use there is a clear error rather than a read of
+    the template module's stale tensor.
+    """
+    model, structure = call.model, call.structure
+    if not call.block_wrappers and not call.params.keys() >= structure.keys:
+        missing = sorted(structure.keys - call.params.keys())
         raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
-                         f"{', '.join(sorted(missing)[:8])}")
-    # Names inside a wrapped block take their params from the block's body;
-    # every other name (a tied twin outside the block included) from the call.
+                         f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
     prefixes = tuple(f"{name}." for name in call.block_wrappers)
-    outer = call.cache.get(("outer", prefixes))
-    if outer is None:
-        outer = call.cache[("outer", prefixes)] = [(name, key) for name, key in call.aliases.items()
-                                                   if not name.startswith(prefixes)]
-    outer_params = {name: call.params[key] for name, key in outer if key in call.params}
+    outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
+    if prefixes:
+        outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
+                             if key in call.params})
+    if call.partial_keys:
+        outer_params.update(structure.placeholders(call.partial_keys, call.params))
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
     overrides = [_BlockOverride(call, name) for name in call.block_wrappers]
     for override in overrides:
         override.install()
     try:
-        with swapped(model, outer_params, call.cache):
+        with swapped(model, outer_params, structure.slots):
             return model(*call.args, **call.kwargs)
     except RuntimeError as err:
         if "mutate a captured Tensor" in str(err):
@@ -255,7 +422,7 @@ def run_model_call(call: ModelCall) -> Any:
             override.uninstall()
 
 
-def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, cache: dict,
+def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, slots: dict,
                 tied: bool = True) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
@@ -264,12 +431,12 @@ def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict,
     not run them again). ``tied``: whether the block holds a tensor under two
     names; only then may swapping in need to re-tie (see `swapped`).
     """
-    with swapped(block, block_params, cache, tie_weights=tied):
+    with swapped(block, block_params, slots, tie_weights=tied):
         return type(block).forward(block, *args, **kwargs)
 
 
 def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
-    from zfunc.recompute import recompute  # noqa: PLC0415
+    from zfunc.recompute import recompute  # noqa: PLC0415 (recompute builds on functional's bodies)
 
     return lambda block_params, *args, **kwargs: recompute(body, block_params, *args, **kwargs)
 
@@ -286,8 +453,13 @@ class _BlockOverride:
     def __init__(self, call: ModelCall, name: str) -> None:
         self.call, self.name = call, name
         self.block = call.model.get_submodule(name)
+        if isinstance(self.block, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
+                f"it would change nothing (its parameters would get no gradient). Name the blocks inside it "
+                f"instead (e.g. '{name}.0', '{name}.1', ...).")
         self.param_names = call.block_param_names(name)
-        self.tied = call.block_has_ties(name)
+        self.tied = call.structure.block_has_ties(name)
         prefix = f"{name}."
         self.constants = {n[len(prefix):]: t for n, t in call.constants.items() if n.startswith(prefix)}
         wrappers = list(call.block_wrappers[name])
@@ -306,7 +478,7 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs, self.call.cache, self.tied)
+            return _call_block(self.block, block_params, args, kwargs, self.call.structure.slots, self.tied)
         finally:
             self._inside = was_inside
 
@@ -327,31 +499,67 @@ class _BlockOverride:
         self.body = None
 
 
-def repeated_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the model's repeated blocks.
+# --------------------------------------------------------------------------
+# The model's blocks: one definition for every transform.
 
-    The children of the longest ``ModuleList``/``Sequential`` whose children
-    all have one type (a transformer's layers). Empty if there is none.
+
+def find_blocks(sizes: dict[str, int]) -> list[str]:
+    """The model's repeated blocks, from its parameter names.
+
+    A *container* is a module path whose children are numbered (``layers.0``,
+    ``layers.1``, ...: a ``ModuleList`` or ``Sequential``). The blocks are the
+    numbered children holding parameters of every *outermost* container with
+    at least two such children: containers nested inside a block of another
+    (an MoE layer's experts inside a transformer layer) are not blocks, since
+    the outer block already groups them; a numbered child whose parameters
+    all sit in numbered children of its own (nested ``ModuleList``s:
+    ``layers.0.0``, ``layers.0.1``) is replaced by those, because a container
+    is never called. The blocks need not be identical (one may lack a bias).
+    Returns them in the order of their first parameter; empty if the model has
+    no container.
+
+    Args:
+      sizes: ``{qualified parameter name: numel}`` in the model's order (tied names included).
     """
-    best: list[str] = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 1:
-            kinds = {type(child) for child in module}
-            if len(kinds) == 1 and len(module) > len(best):
-                prefix = f"{name}." if name else ""
-                best = [f"{prefix}{i}" for i in range(len(module))]
-    return best
+    names = list(sizes)
+    children: dict[str, dict[str, None]] = {}  # container -> its numbered children, in order
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts) - 1):
+            if parts[i].isdigit():
+                children.setdefault(".".join(parts[:i]), {})[".".join(parts[:i + 1])] = None
+    containers = [c for c, kids in children.items() if len(kids) >= 2]
+    outermost = [c for c in containers if not any(o != c and (o == "" or c.startswith(o + ".")) for o in containers)]
+    blocks = [b for c in outermost for child in children[c] for b in _called(child, names, children)]
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        for b in blocks:
+            if name.startswith(b + "."):
+                first.setdefault(b, i)
+    return sorted(blocks, key=lambda b: first.get(b, len(names)))
 
 
-def select_blocks(model: nn.Module, modules: Any = None) -> list[str]:
+def _called(child: str, names: list[str], children: dict[str, dict[str, None]]) -> list[str]:
+    """``child``, or, if every parameter under it sits in a numbered child of it (so it is a
+    container, never called), those children, recursively."""
+    inner = children.get(child)
+    prefix = child + "."
+    if inner and all(n[len(prefix):].split(".", 1)[0].isdigit() for n in names if n.startswith(prefix)):
+        return [b for c in inner for b in _called(c, names, children)]
+    return [child]
+
+
+def select_blocks(model: nn.Module, modules: Any = None, structure: ModelStructure | None = None) -> list[str]:
     """Resolve a ``modules=`` argument of a transform into block names.
 
-    ``None``: `repeated_blocks`. A class or tuple of classes: every sub-module
-    of that type (outermost ones only). A callable: every sub-module whose
-    qualified name it accepts. A list of names: those names.
+    ``None``: the model's blocks (`find_blocks`). A class or tuple of classes:
+    every sub-module of that type (outermost ones only). A callable: every
+    sub-module whose qualified name it accepts. A list of names: those names.
     """
     if modules is None:
-        return repeated_blocks(model)
+        if structure is not None:
+            return structure.blocks()
+        return find_blocks({n: p.numel() for n, p in model.named_parameters(remove_duplicate=False)})
     if isinstance(modules, (list, tuple)) and all(isinstance(m, str) for m in modules):
         for name in modules:
             model.get_submodule(name)  # raises a clear AttributeError for a typo

@@ -1,72 +1,169 @@
-"""How transforms rewrite a step: primitives, handlers and the transform stack.
+"""How transforms rewrite a step: primitives, the step context and the transform stack.
 
 A step is an ordinary function ``(state, batch) -> (state, metrics)`` written
-with zfunc's primitives. Each primitive is a small function that, when no
-transform is active, runs its plain implementation, and otherwise hands the
-call to the active transforms first, outermost first, each of which may
-rewrite the arguments, call ``next`` (the rest of the stack, ending in the
-plain implementation) and rewrite the result. This is JAX's interpreter idea
-reduced to what zfunc needs:
+with zfunc's primitives. Each primitive is a small function that, outside a
+transformed step, runs its plain implementation, and inside one hands the
+call to the stack's handlers, outermost first, each of which may rewrite the
+arguments, call ``next`` (the rest of the stack, ending in the plain
+implementation) and rewrite the result. This is JAX's interpreter idea
+reduced to what zfunc needs (ARCHITECTURE.md walks one call end to end):
 
-===================  ==================================================  ==================
-primitive            what it means                                       called by
-===================  ==================================================  ==================
-``apply``            run the model on some parameters (`ModelCall`)      `functional`'s apply_fn
-``value_and_grad``   loss and first-order gradients w.r.t. params        `value_and_grad`
-``apply_gradients``  one optimizer update of a state                     `TrainState.apply_gradients`
-``psum``             sum a per-shard partial quantity over shards        norms, overflow checks
-``update_params``    the optimizer arithmetic on (params, grads, state)  the plain apply_gradients
-``compute_copy``     the compute-dtype copy of the fp32 master          mixed_precision
-``watch_gradients``  be told of gradient parts as backward makes them   offload (shard answers)
-===================  ==================================================  ==================
+=====================  =================================================  ==========================
+primitive              what it means                                      dispatched by
+=====================  =================================================  ==========================
+``apply``              run the model on some parameters (`ModelCall`)     `functional`'s apply_fn
+``value_and_grad``     loss and first-order gradients w.r.t. params       `value_and_grad`
+``gradients_ready``    backward has returned: finish what it started      the plain value_and_grad
+``apply_gradients``    one optimizer update of a state                    `TrainState.apply_gradients`
+``update_params``      the optimizer arithmetic on (params, grads, state) the plain apply_gradients
+``psum``               sum a per-shard partial quantity over shards       norms, overflow checks
+=====================  =================================================  ==========================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition
 the gradients (shard) before they are moved to the host (offload) and
 unscaled against the fp32 master (mixed_precision); results flow back the
 other way (master -> compute copy -> device -> all-gather).
 
-The stack lives in a `contextvars.ContextVar` that is set only while a
-transformed step runs, so nothing persists between calls and concurrent
-threads do not see each other's transforms. It is the one piece of dynamic
-state in zfunc besides the process group.
+Two primitives are dispatched from *inside* the plain implementation of
+another, so they reach transforms outer to where the work started:
+
+- ``gradients_ready``: asynchronous gradient reductions that `shard` issues
+  during backward must be finished before anyone reads the gradients, and
+  that is right after the backward pass that produced them returns (once per
+  micro-batch under `accumulate`, once per backward under `checkpoint`'s
+  nested recomputes — not at the end of each nested backward, which would
+  serialize communication with compute). Only the plain implementation knows
+  when its backward returned.
+- ``update_params``: the optimizer runs on whatever tensors reach it after
+  every transform placed them (shards, host copies, the fp32 master); the
+  transforms that own donated buffers declare it (``Facts.fused_update``) and
+  the plain implementation then runs the fused kernel in place.
+
+Values otherwise flow down as arguments and back as return values: e.g.
+`mixed_precision` asks the update for a compute-dtype copy (`UpdateRequest`)
+and gets it back with the new state (`Updated`).
+
+The step context. Everything that lives for one call of a transformed step
+— the handlers' per-call scratch, the facts of the stack — is in one
+`StepContext`, reached through one `contextvars.ContextVar` that is set only
+while a transformed step runs. Transform objects hold their configuration
+only: running one changes nothing in it, and two threads may run steps of
+one stack at once. Work that autograd runs later on its own threads
+(backward of CUDA ops) must not look the context up: it captures what it
+needs when the forward builds it.
+
+Facts about the stack are computed once, when the stack is built: each
+transform declares what it does (`Transform.declare`), from the innermost
+out, into one frozen `Facts`; no transform looks another up by name or type.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from typing import Any, Callable, ClassVar, Iterator
+import dataclasses
+import functools
+from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
 import torch
 
-_ACTIVE: contextvars.ContextVar[tuple["Transform", ...]] = contextvars.ContextVar(
-    "zfunc_active_transforms", default=()
-)
+from zfunc.tree import tree_leaves
+
+PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
+
+Tier = Literal["device", "host", "nvme"]
 
 
-def active_transforms() -> tuple["Transform", ...]:
-    """The transforms of the step running now, outermost first."""
-    return _ACTIVE.get()
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What a stack of transforms does, as its transforms declare it (see `Transform.declare`).
+
+    Attributes:
+      compute_dtype: the dtype the model computes in (`mixed_precision`; None: the params' own).
+      master_dtype: the dtype of the master parameters the optimizer updates (None: the params').
+      reduce_dtype: the dtype gradients are reduced in across ranks (None: the gradients' own).
+      loss_scaling: "none", "static" or "dynamic" (fp16 `mixed_precision`).
+      stage: the ZeRO stage of `shard` (0 without shard).
+      optimizer_tier: where the optimizer state and its update live ("device", "host", "nvme").
+      params_tier: where parameter shards live between their uses (stage 3).
+      fused_update: whether the optimizer may run as a fused in-place kernel (the stack owns the
+        state's buffers, which the step consumes); False keeps the pure pytree update.
+    """
+
+    compute_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    loss_scaling: Literal["none", "static", "dynamic"] = "none"
+    stage: int = 0
+    optimizer_tier: Tier = "device"
+    params_tier: Tier = "device"
+    fused_update: bool | None = None  # None: nobody declared; the pure update
+
+    def replace(self, **changes: Any) -> "Facts":
+        return dataclasses.replace(self, **changes)
 
 
-@contextlib.contextmanager
-def activate(transform: "Transform") -> Iterator[None]:
-    """Push ``transform`` onto the stack for the duration of the block."""
-    token = _ACTIVE.set(_ACTIVE.get() + (transform,))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+class Stack:
+    """A transformed step's transforms, outermost first, their facts and their handlers (built once)."""
+
+    def __init__(self, outermost: "Transform") -> None:
+        self.transforms: tuple[Transform, ...] = tuple(transforms_of(outermost))
+        facts = Facts()
+        for transform in reversed(self.transforms):  # innermost first: outer ones see inner facts
+            facts = transform.declare(facts)
+        self.facts = facts
+        self.handlers: dict[str, tuple[Callable, ...]] = {
+            p: tuple(getattr(t, p) for t in self.transforms if callable(getattr(type(t), p, None)))
+            for p in PRIMITIVES}
+        self._ids = frozenset(id(t) for t in self.transforms)
+
+    def __contains__(self, transform: "Transform") -> bool:
+        return id(transform) in self._ids
+
+
+class StepContext:
+    """Everything that lives for one call of a transformed step (see the module docstring).
+
+    ``scratch`` holds each transform's per-call object (`Transform.start`),
+    keyed by the transform; ``state_consumed`` is set once a handler starts
+    writing into the state's buffers (the input state is dead from then on,
+    even if the step later fails).
+    """
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.facts = stack.facts
+        self.scratch: dict[int, Any] = {}
+        self.state_consumed = False
+
+    def of(self, transform: "Transform") -> Any:
+        """``transform``'s per-call scratch."""
+        try:
+            return self.scratch[id(transform)]
+        except KeyError:
+            raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
+
+
+_CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
+
+
+def current() -> StepContext | None:
+    """The context of the transformed step running now on this thread, if any."""
+    return _CONTEXT.get()
 
 
 def dispatch(primitive: str, plain: Callable, *args: Any) -> Any:
-    """Run ``primitive`` through the active transforms, outermost first.
+    """Run ``primitive`` through the running stack's handlers, outermost first.
 
-    Each transform that defines a method named ``primitive`` is called as
-    ``transform.<primitive>(next, *args)``; ``next(*args)`` continues with the
-    next transform, and after the innermost with ``plain(*args)``.
+    Each handler is called as ``handler(next, *args)``; ``next(*args)``
+    continues with the next handler, and after the innermost with
+    ``plain(*args)``.
     """
-    handlers = [getattr(t, primitive) for t in _ACTIVE.get() if hasattr(t, primitive)]
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        return plain(*args)
+    handlers = ctx.stack.handlers[primitive]
+    if not handlers:
+        return plain(*args)
 
     def call(index: int, *call_args: Any) -> Any:
         if index == len(handlers):
@@ -86,7 +183,39 @@ def psum(x: torch.Tensor) -> torch.Tensor:
     parameter-shaped data, never for replicated values (those would be counted
     N times).
     """
-    return dispatch("psum", lambda t: t, x)
+    return dispatch("psum", _identity, x)
+
+
+def _identity(x):
+    return x
+
+
+def gradients_ready(grads: Any) -> Any:
+    """Tell the stack that a backward pass returned ``grads`` (see the module docstring)."""
+    return dispatch("gradients_ready", _identity, grads)
+
+
+class UpdateRequest(NamedTuple):
+    """What the caller of an update wants back besides the new state.
+
+    ``compute_dtype``: also return the new parameters cast to this dtype (the
+    compute copy of `mixed_precision`); ``compute_into``: tensors, keyed like
+    the params, that the copy should be written into when the update can
+    (a fused kernel writes it in the same pass); ``host_threads``: threads
+    for a host kernel (`offload`'s share of the cores).
+    """
+
+    compute_dtype: torch.dtype | None = None
+    compute_into: dict | None = None
+    host_threads: int | None = None
+
+
+class Updated(NamedTuple):
+    """The result of the ``apply_gradients`` primitive: the new state and, if an `UpdateRequest`
+    asked for one, the compute copy of its parameters (else None)."""
+
+    state: Any
+    compute_copy: dict | None = None
 
 
 # --------------------------------------------------------------------------
@@ -102,12 +231,16 @@ class Transform:
     - ``init(state)``: the plain state from `TrainState.create`, rewritten into
       this stack's layout (inner transforms first, then this one),
     - ``gather(state)``: a dict of full parameters in the master dtype, keyed
-      like `functional`'s params, on every rank,
+      like `functional`'s params, on every rank (fresh tensors that later steps
+      do not change),
     - a ``repr`` that shows the whole stack and its settings.
 
     Subclasses set ``name`` and ``level`` and override what they need:
+    ``declare`` (the facts they add), ``start`` (their per-call scratch),
     ``run`` (around the inner step), ``init_state``, ``gather_params`` and any
-    primitive handler (a method named after the primitive, see module doc).
+    primitive handler (a method named after the primitive, see the module doc).
+    A transform object holds only its configuration: nothing may be stored on
+    it while a step runs (use the scratch).
 
     ``level`` orders transforms: a transform may wrap only steps whose
     transforms have a level at most its own. Compute transforms (accumulate,
@@ -130,14 +263,53 @@ class Transform:
                 raise ValueError(
                     f"{self.name}(...) cannot wrap {inner.name}(...): {inner.name} must be the outer one. "
                     f"Order transforms as shard(offload(compute_transforms(step))), e.g. "
-                    f"{inner.name}({self.name}(step)) instead of {self.name}({inner.name}(step))."
-                )
+                    f"{inner.name}({self.name}(step)) instead of {self.name}({inner.name}(step)).")
         self.step = step
+
+    @functools.cached_property
+    def stack(self) -> Stack:
+        """This transform's stack (itself and everything it wraps) and its facts, built once."""
+        return Stack(self)
 
     # -- the step --------------------------------------------------------
     def __call__(self, state, batch):
-        with activate(self):
-            return self.run(state, batch)
+        ctx = _CONTEXT.get()
+        if ctx is not None and self in ctx.stack:  # called by the transform around it
+            return self._run(ctx, state, batch)
+        ctx = StepContext(self.stack)
+        token = _CONTEXT.set(ctx)
+        try:
+            try:
+                out = self._run(ctx, state, batch)
+            except BaseException:
+                if ctx.state_consumed:
+                    consume(state, f"{self!r}, which failed after it began updating it in place")
+                raise
+            if not (isinstance(out, tuple) and out and out[0] is state):
+                consume(state, f"{self!r}")
+            return out
+        finally:
+            _CONTEXT.reset(token)
+
+    def _run(self, ctx: StepContext, state, batch):
+        check_alive(state, f"{self.name}(...)")
+        ctx.scratch[id(self)] = self.start(ctx, state)
+        return self.run(state, batch)
+
+    def declare(self, facts: Facts) -> Facts:
+        """The stack's facts with what this transform does added (default: nothing)."""
+        return facts
+
+    def start(self, ctx: StepContext, state) -> Any:
+        """This transform's per-call scratch (reached with `call_scratch`); default None."""
+        return None
+
+    def call_scratch(self) -> Any:
+        """The scratch `start` made for the step running now on this thread."""
+        ctx = _CONTEXT.get()
+        if ctx is None:
+            raise RuntimeError(f"{self.name}'s primitives ran outside its step")
+        return ctx.of(self)
 
     def run(self, state, batch):
         """Runs the inner step with this transform active; override to add work around it."""
@@ -145,7 +317,14 @@ class Transform:
 
     # -- layout ----------------------------------------------------------
     def init(self, state):
-        """Rewrite a plain `TrainState` into this stack's layout."""
+        """Rewrite a plain `TrainState` into this stack's layout.
+
+        Args:
+          state: the state from `TrainState.create` (not already initialized).
+        Returns:
+          The state in this stack's layout (shards, host placement, masters).
+        """
+        check_alive(state, f"{self.name}(...).init")
         inner = self.step.init(state) if isinstance(self.step, Transform) else state
         return self.init_state(inner)
 
@@ -153,8 +332,18 @@ class Transform:
         return state
 
     def gather(self, state) -> dict[str, torch.Tensor]:
-        """Full parameters (master dtype) as a dict keyed like `functional`'s params."""
-        inner = self.step.gather if isinstance(self.step, Transform) else _plain_gather
+        """Full parameters (master dtype), keyed like `functional`'s params, on every rank.
+
+        Args:
+          state: a state in this stack's layout (from ``init`` or a step).
+        Returns:
+          A dict of fresh tensors: later steps do not change them.
+        """
+        check_alive(state, f"{self.name}(...).gather")
+        return fresh_copies(self._gather(state), state)
+
+    def _gather(self, state) -> dict[str, torch.Tensor]:
+        inner = self.step._gather if isinstance(self.step, Transform) else _plain_gather
         return self.gather_params(state, inner)
 
     def gather_params(self, state, next: Callable) -> dict[str, torch.Tensor]:
@@ -185,11 +374,59 @@ def _plain_gather(state) -> dict[str, torch.Tensor]:
     return dict(state.params)
 
 
+def fresh_copies(tensors: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
+    """``tensors`` with every one that shares memory with ``state`` replaced by a copy."""
+    owned = {leaf.untyped_storage().data_ptr() for leaf in tree_leaves(state)
+             if isinstance(leaf, torch.Tensor) and leaf.numel() and leaf.device.type != "meta"}
+    return {k: v.clone() if v.numel() and v.device.type != "meta" and v.untyped_storage().data_ptr() in owned
+            else v for k, v in tensors.items()}
+
+
+# --------------------------------------------------------------------------
+# Donation: a step consumes the state it is given (JAX's donate_argnums).
+
+
+class Donation:
+    """Whether a state is still usable; a step marks the state it consumed as dead.
+
+    Transformed steps update the state's buffers in place (that is how they
+    keep ZeRO's memory), so after ``new = step(state, batch)`` the old
+    ``state`` holds half-old, half-new values. Using it again through zfunc
+    raises instead of computing on them.
+    """
+
+    __slots__ = ("dead",)
+
+    def __init__(self) -> None:
+        self.dead: str | None = None  # None: alive; else what consumed it
+
+
+def consume(state, by: str) -> None:
+    """Mark ``state`` dead (consumed by ``by``), if it is a state that tracks donation."""
+    donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation) and donation.dead is None:
+        donation.dead = by
+
+
+def check_alive(state, what: str) -> None:
+    """Raise a clear error if ``state`` was consumed by an earlier step."""
+    donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation) and donation.dead is not None:
+        raise ValueError(
+            f"{what} was given a state that {donation.dead} already consumed: a transformed step updates the "
+            "state it is given in place (donation, as in JAX), so that state is dead. Use the state the step "
+            "returned; to keep a snapshot, copy it before the step (zf.tree.tree_map(torch.clone, state)) or "
+            "take step.gather(state).")
+
+
 def init(step: Callable, state):
     """``step.init(state)`` for a transform, ``state`` itself for a plain step."""
     return step.init(state) if isinstance(step, Transform) else state
 
 
 def gather(step: Callable, state) -> dict[str, torch.Tensor]:
-    """``step.gather(state)`` for a transform, ``dict(state.params)`` for a plain step."""
-    return step.gather(state) if isinstance(step, Transform) else _plain_gather(state)
+    """``step.gather(state)`` for a transform, a copy of ``state.params`` for a plain step."""
+    if isinstance(step, Transform):
+        return step.gather(state)
+    check_alive(state, "zf.gather")
+    return {k: v.clone() for k, v in state.params.items()}

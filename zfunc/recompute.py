@@ -1,17 +1,31 @@
 """Recompute a function in backward instead of saving its activations.
 
 `recompute(body, params, *args, **kwargs)` returns ``body(params, *args,
-**kwargs)`` but keeps from the forward pass only its inputs (and the RNG
-state); backward re-runs ``body`` under `torch.func.vjp` with
-``create_graph=False`` and pulls the gradients through it.
+**kwargs)`` but keeps from the forward pass none of the activations inside
+it; backward re-runs ``body`` (with the forward's RNG state, so dropout masks
+repeat) to get them back. Both the `checkpoint` transform and
+`shard(stage=3, reshard="recompute")` use it: when ``body`` starts by
+gathering its parameters from shards, the gather is simply re-run in
+backward, so a block's full parameters are alive only while that block runs.
 
-Why not `torch.utils.checkpoint`: it fails inside `torch.func` transforms (and
-so inside zfunc's `value_and_grad`), and `saved_tensors_hooks` are refused
-there too (DESIGN.md). An `autograd.Function` with ``setup_context`` works
-under them. Both the `checkpoint` transform and `shard(stage=3)` use this:
-when ``body`` starts by gathering its parameters from shards, the gather is
-simply re-run in backward, so a block's full parameters are alive only while
-that block runs, forward or backward.
+Two routes, picked per call:
+
+- eagerly (zfunc's `value_and_grad` runs plain autograd), torch's
+  non-reentrant ``torch.utils.checkpoint``: the forward builds the ordinary
+  autograd graph and only the tensors its ops save are dropped and recomputed
+  on demand. So everything that leaves the block — its return value, but also
+  tensors a forward hook or a side list carries out (Hugging Face's
+  ``output_attentions``, an MoE router's logits for its load-balancing loss)
+  — gets exact gradients, as without recompute;
+- inside a `torch.func` transform (vmap for per-example gradients) or a
+  `torch.compile` trace, where saved-tensor hooks and
+  ``torch.utils.checkpoint`` are refused, an `autograd.Function` with
+  ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
+  backward re-runs it under `torch.func.vjp` (``create_graph=False``). That
+  route sees only the block's return value: a tensor that leaves the block
+  otherwise carries no gradient there (it is refused when detected, see
+  `_RecomputeFunction`). The ``save=`` hook (checkpoint's ``offload_inputs``
+  policy) also takes this route.
 
 ``params`` is the dict of tensors that gradients flow to (a block's own
 parameters, or their shards); ``args``/``kwargs`` may hold tensors (which get
@@ -24,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 
+from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -41,26 +56,28 @@ class RNGState:
 
 
 def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
-              save: Callable[[dict, tuple], tuple] | None = None, **kwargs: Any) -> Any:
+              save: Callable[[dict, tuple], tuple] | None = None, context_fn: Callable | None = None,
+              **kwargs: Any) -> Any:
     """``body(params, *args, **kwargs)`` without saving its activations.
 
-    ``save`` (optional) lets a policy choose how the inputs are kept for
-    backward: ``save(kept_tensors) -> (stored, load)`` where ``load(stored)``
-    returns them (e.g. moved to host memory and back).
+    Args:
+      body: the function to recompute; ``params`` are the tensors gradients flow to.
+      save: optional; how the inputs are kept for backward:
+        ``save(kept_tensors) -> (stored, load)`` where ``load(stored)`` returns
+        them (e.g. moved to host memory and back). Takes the Function route.
+      context_fn: optional; torch's selective-checkpoint contexts (which op
+        outputs to keep rather than recompute), for the eager route.
+    Returns:
+      What ``body`` returns.
     """
+    _refuse_kv_cache((args, kwargs))
+    if save is None and not under_torch_func_or_compile():
+        return _checkpoint_eagerly(body, params, args, kwargs, context_fn)
     keys = list(params)
     flat, spec = tree_flatten((args, kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
     tensors = [x for x, t in zip(flat, is_tensor) if t]
     others = [x for x, t in zip(flat, is_tensor) if not t]
-    for other in others:
-        if hasattr(other, "update") and hasattr(other, "get_seq_length"):
-            # A Hugging Face key/value cache is mutated by the block: re-running
-            # the block in backward would append its keys again and attend to them.
-            raise ValueError(
-                f"a key/value cache ({type(other).__name__}) reaches a recomputed block; recomputing would "
-                "replay its update and change the result. Train with use_cache=False "
-                "(e.g. apply_fn(params, input_ids=x, use_cache=False)).")
 
     def run(param_values, tensor_values):
         it_t, it_o = iter(tensor_values), iter(others)
@@ -71,6 +88,39 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     ctx_info = _Plan(run, len(keys), save)
     outputs = _RecomputeFunction.apply(ctx_info, *[params[k] for k in keys], *tensors)
     return tree_unflatten(ctx_info.out_spec, list(outputs))
+
+
+def _refuse_kv_cache(tree: Any) -> None:
+    for other in tree_flatten(tree)[0]:
+        if hasattr(other, "update") and hasattr(other, "get_seq_length"):
+            # A Hugging Face key/value cache is mutated by the block: re-running
+            # the block in backward would append its keys again and attend to them.
+            raise ValueError(
+                f"a key/value cache ({type(other).__name__}) reaches a recomputed block; recomputing would "
+                "replay its update and change the result. Train with use_cache=False "
+                "(e.g. apply_fn(params, input_ids=x, use_cache=False)).")
+
+
+def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, context_fn) -> Any:
+    """The eager route: torch's non-reentrant checkpoint around ``body`` (see the module docstring)."""
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
+    keys = list(params)
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    versions = [t._version for t in inputs]
+    runs = [0]
+
+    def run(*values):
+        if runs[0] and any(t._version != v for t, v in zip(inputs, versions)):
+            # torch's checkpoint would silently recompute from the changed values.
+            raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
+                               "forward and the backward pass, so the recompute would see other values; clone "
+                               "it before changing it in place")
+        runs[0] += 1
+        return body(dict(zip(keys, values)), *args, **kwargs)
+
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    return checkpoint(run, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 class _Plan:

@@ -13,10 +13,17 @@ checkpoints see the whole state):
   master and loss scale of `mixed_precision`, the layout of `shard`, ...), so
   that whatever saves and restores a state restores the transforms too.
 
-``tx`` (the optimizer) and ``ties`` (tied weights: ``(alias, key)`` pairs,
+``tx`` (the optimizer), ``ties`` (tied weights: ``(alias, key)`` pairs,
 e.g. ``("head.weight", "embed.weight")``, recorded from `zf.functional`'s
-params so that checkpoints can export every name the model has) are static:
+params so that checkpoints can export every name the model has) and
+``blocks`` (the model's repeated blocks, `zfunc.functional.find_blocks`, so
+that `shard` groups parameters as `checkpoint` recomputes them) are static:
 part of the tree structure, not leaves.
+
+Donation: a transformed step consumes the state it is given (it updates its
+buffers in place, as JAX's ``donate_argnums`` allows); that state is dead
+afterwards, and using it again through zfunc raises (`zfunc.interpret.Donation`).
+The plain, untransformed step is pure and consumes nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from typing import Any
 
 import torch
 
-from zfunc.interpret import dispatch
+from zfunc.interpret import Donation, UpdateRequest, Updated, current, dispatch
 from zfunc.optim import GradientTransformation, apply_updates
+from zfunc.optim.fused import fused_update
 from zfunc.tree import describe_mismatch, register_pytree_node, tree_structure
 
 
@@ -39,10 +47,12 @@ class TrainState:
     tx: GradientTransformation = dataclasses.field(repr=False)
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     ties: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
+    blocks: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    donation: Donation = dataclasses.field(default_factory=Donation, repr=False, compare=False)
 
     @classmethod
     def create(cls, params: dict[str, torch.Tensor], tx: GradientTransformation,
-               ties: dict[str, str] | None = None) -> "TrainState":
+               ties: dict[str, str] | None = None, blocks: list[str] | None = None) -> "TrainState":
         """A fresh state: ``step = 0``, ``opt_state = tx.init(params)``.
 
         Args:
@@ -50,6 +60,9 @@ class TrainState:
           tx: the optimizer (`zf.optim`).
           ties: ``{alias: key}`` of tied weights; by default the ones `zf.functional`
             recorded on ``params`` (a plain dict built from them records none).
+          blocks: the model's repeated blocks (qualified names); by default the ones
+            `zf.functional` recorded (`zfunc.functional.find_blocks`), else found from
+            the parameter names when a transform needs them.
         Returns:
           The state, ``step`` on the parameters' device.
         """
@@ -61,13 +74,15 @@ class TrainState:
         for alias, key in ties.items():
             if key not in params:
                 raise ValueError(f"TrainState.create: tied weight {alias!r} -> {key!r}, but params has no {key!r}")
+        blocks = getattr(params, "blocks", None) if blocks is None else list(blocks)
         device = next(iter(params.values())).device if params else None
         return cls(step=torch.zeros((), dtype=torch.int64, device=device), params=dict(params),
-                   opt_state=tx.init(dict(params)), tx=tx, ties=tuple(sorted(ties.items())))
+                   opt_state=tx.init(dict(params)), tx=tx, ties=tuple(sorted(ties.items())),
+                   blocks=None if blocks is None else tuple(blocks))
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with some fields replaced (the state itself is immutable)."""
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, donation=Donation(), **changes)
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
@@ -75,31 +90,53 @@ class TrainState:
 
         Under transforms this is where gradients are unscaled, partitioned,
         moved to the host or fed to a fused kernel; the result is the same.
-        The state it is called on is consumed (it may be updated in place):
-        use the returned one.
+
+        Args:
+          grads: gradients keyed like ``params`` (what `zf.value_and_grad` returned).
+        Returns:
+          The new state.
         """
-        return dispatch("apply_gradients", plain_apply_gradients, self, grads)
+        return dispatch("apply_gradients", plain_apply_gradients, self, grads, UpdateRequest()).state
 
 
-def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor]) -> TrainState:
-    """The untransformed update (pure: new tensors, inputs untouched)."""
+def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], request: UpdateRequest) -> Updated:
+    """The ``apply_gradients`` primitive's plain implementation: the optimizer on ``state.params``."""
     check_grads_match(state.params, grads)
-    params, opt_state = dispatch("update_params", pure_update, state.tx, state.params, grads, state.opt_state)
-    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    params, opt_state, copy = dispatch("update_params", plain_update_params, state.tx, state.params, grads,
+                                       state.opt_state, request)
+    if copy is None and request.compute_dtype is not None:
+        copy = {k: v.to(request.compute_dtype) for k, v in params.items()}
+    return Updated(state.replace(step=state.step + 1, params=params, opt_state=opt_state), copy)
+
+
+def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt_state: Any,
+                        request: UpdateRequest):
+    """The ``update_params`` primitive: ``(params, opt_state, compute_copy or None)``.
+
+    In a stack whose transforms own the state's buffers (``Facts.fused_update``:
+    `shard`, `offload`), an optimizer that declares a fused form runs as one
+    in-place kernel per run of parameters, on the host or the GPU by where
+    the tensors are (`zfunc.optim.fused.fused_update`), writing the compute
+    copy the request asks for in the same pass. Otherwise, and for every
+    other optimizer, the pure update (`pure_update`).
+    """
+    ctx = current()
+    if ctx is not None and ctx.facts.fused_update and tx.fused is not None:
+        done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
+                            request.host_threads)
+        if done is not None:
+            ctx.state_consumed = True
+            return done
+    params, opt_state = pure_update(tx, params, grads, opt_state)
+    return params, opt_state, None
 
 
 def pure_update(tx: GradientTransformation, params: Any, grads: Any, opt_state: Any):
     """``updates, opt_state = tx.update(grads, opt_state, params)``; ``params + updates``.
 
-    This is the ``update_params`` primitive: the optimizer's arithmetic on
-    whatever tensors reach it (shards, host copies, masters). A transform may
-    replace it with a fused in-place kernel that computes the same update
-    (`offload` does, on the host; `shard` on CUDA).
-
     Gradients may arrive in a lower precision than the parameters (the bf16
     gradients of `mixed_precision` against its fp32 master); they are upcast
-    here, exactly, so that a fused kernel can read them in their own dtype
-    instead of a transform materializing an fp32 copy first.
+    here, exactly.
     """
     grads = {k: g if g.dtype == params[k].dtype else g.to(params[k].dtype) for k, g in grads.items()} \
         if isinstance(grads, dict) and isinstance(params, dict) else grads
@@ -120,13 +157,14 @@ def check_grads_match(params: Any, grads: Any) -> None:
 
 
 def _flatten(state: TrainState):
-    return (state.step, state.params, state.opt_state, state.extras), (state.tx, state.ties)
+    return (state.step, state.params, state.opt_state, state.extras), (state.tx, state.ties, state.blocks)
 
 
 def _unflatten(static, children) -> TrainState:
     step, params, opt_state, extras = children
-    tx, ties = static
-    return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras, ties=ties)
+    tx, ties, blocks = static
+    return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras, ties=ties,
+                      blocks=blocks)
 
 
 register_pytree_node(TrainState, _flatten, _unflatten)

@@ -92,7 +92,7 @@ def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
     """Σ over all elements of all leaves of x², accumulated in fp32.
 
     This is a *local* quantity: under `shard` each rank holds only its shards;
-    use `zfunc.psum` (as `global_norm` does) to sum it over ranks.
+    use `zfunc.psum` (as `zfunc.optim.global_norm` does) to sum it over ranks.
     """
     leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
     if not leaves:
@@ -109,13 +109,6 @@ def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
         norms = torch._foreach_norm(group)
         total = total + torch.stack([n.float() for n in norms]).square().sum().to(total.device)
     return total
-
-
-def global_norm(tree: PyTree) -> torch.Tensor:
-    """‖tree‖₂ = sqrt(Σ_leaves Σ x²), over all shards when run under `shard`."""
-    from zfunc.interpret import psum  # noqa: PLC0415 (interpret depends on tree)
-
-    return psum(tree_sum_of_squares(tree)).sqrt()
 
 
 def tree_all_finite(tree: PyTree) -> torch.Tensor:

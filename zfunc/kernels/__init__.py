@@ -9,9 +9,10 @@ Attributes load lazily, so ``import zfunc.kernels`` costs nothing until a kernel
 * :mod:`zfunc.kernels.bits`: bf16/fp16 <-> fp32 bit conversions for numba code.
 * :mod:`zfunc.kernels.gpu_adam`: ``adam_flat_`` (one Triton launch of Adam/AdamW over a flat
   buffer, a per-chunk weight-decay table, grads in their own dtype, optional bf16/fp16 copy-out),
-  ``grad_stats_`` (unscale + finite check + sum of squares in one pass), each with a pure-torch
-  fallback used off the GPU; its chunk table, ``AdamSegments``, is in
+  with a pure-torch fallback used off the GPU; its chunk table, ``AdamSegments``, is in
   :mod:`zfunc.kernels.adam_segments`.
+
+Which kernel an optimizer update uses is decided in one place, `zfunc.optim.fused`.
 """
 
 from __future__ import annotations

@@ -11,8 +11,6 @@ Three entry points:
   bf16/fp16, into ``out_lowp`` in the same pass: the compute copy then costs
   its 2 bytes per element of writes instead of a separate cast pass (6 bytes
   per element: read fp32, write 16-bit).
-* ``grad_stats_`` reads flat gradient buffers once: finite check, optional
-  in-place unscale by a loss scale, and the sum of squares for clipping.
 
 The learning rate, step, gradient scale and found-inf flag are 0-d tensors on
 the device, read inside the kernels: nothing syncs with the host, and a CUDA
@@ -54,15 +52,10 @@ unscaled gradient back when given ``grad_scale``; here grads are read-only
 (they may be bf16). The bf16 copy of a NaN is the canonical NaN ``0x7FFF``
 (what ``.to(torch.bfloat16)`` gives on CUDA; torch's CPU cast gives ``0xFFFF``).
 
-``grad_stats_`` unscales like torch's AMP (``GradScaler.unscale_``): multiply
-by the float32 reciprocal of the scale, which is the division for the powers
-of two that dynamic loss scales are.
-
-Backends: ``"triton"`` (one launch per ``adam_flat_``, one per buffer for
-``grad_stats_``; needs CUDA tensors, or ``TRITON_INTERPRET=1`` in the
-environment for CPU tensors in Triton's interpreter), ``"torch"`` (any device:
-``torch._fused_adam[w]_`` once per distinct weight decay, plus a ``copy_`` for
-``out_lowp``; torch's AMP unscale and ``_foreach_norm`` for the statistics),
+Backends: ``"triton"`` (one launch per ``adam_flat_``; needs CUDA tensors, or
+``TRITON_INTERPRET=1`` in the environment for CPU tensors in Triton's
+interpreter), ``"torch"`` (any device: ``torch._fused_adam[w]_`` once per
+distinct weight decay, plus a ``copy_`` for ``out_lowp``),
 ``"auto"`` (Triton for CUDA tensors when it imports, else torch). Importing
 this module does not import triton; the kernels are jitted on first use.
 
@@ -90,16 +83,13 @@ from zfunc.kernels.adam_segments import (  # noqa: F401 (CHUNK, MIN_CHUNK: re-ex
 )
 
 __all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamSegments",
-           "adam_flat_", "grad_stats_", "triton_available"]
+           "adam_flat_", "triton_available"]
 
 # Launch parameters of the Triton kernels (read at every call: the benchmark sweeps them).
-#   adam_block / adam_warps: elements per loop step and warps per program of adam_flat_;
-#   stats_block / stats_iters / stats_warps: the same for grad_stats_, whose programs each
-#   reduce stats_block * stats_iters elements to one partial sum (fewer iters on a GPU when the
-#   buffer is too small to give every SM PROGRAMS_PER_SM programs).
+#   adam_block / adam_warps: elements per loop step and warps per program of adam_flat_.
 # Defaults: 4 elements per thread per step (one 16-byte access per stream); ptxas gives the Adam
 # kernel ~80 registers at that size for sm_90 (8 elements per thread: ~130-160).
-TRITON_CONFIG = {"adam_block": 1024, "adam_warps": 8, "stats_block": 2048, "stats_iters": 16, "stats_warps": 8}
+TRITON_CONFIG = {"adam_block": 1024, "adam_warps": 8}
 
 # The torch backend upcasts/unscales gradients into temporaries; it does so this many elements
 # at a time, so the extra memory stays bounded.
@@ -342,110 +332,3 @@ def _batches(runs: list[tuple[int, int]], limit: int | None):
                 batch, size = [], 0
     if batch:
         yield batch
-
-
-# ----------------------------------------------------------------------------- grad_stats_
-
-def grad_stats_(grads: Sequence[torch.Tensor], scale: torch.Tensor | None = None, *,
-                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """One pass over flat gradient buffers: finite check, optional unscale, sum of squares.
-
-    Args:
-        grads: contiguous float32/bfloat16/float16 tensors (any shape, treated as flat) on one
-            device; modified in place when ``scale`` is given.
-        scale: optional 1-element tensor on that device (a loss scale): every element is
-            multiplied by ``1/scale`` (the float32 reciprocal, rounded once) and stored back in
-            its own dtype, rounded to nearest even. This is exactly torch's AMP unscale
-            (``GradScaler.unscale_``); it equals ``g / scale`` when ``scale`` is a power of two,
-            as dynamic loss scales are.
-        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
-
-    Returns ``(found, sumsq)``, 0-d float32 tensors on the device: ``found`` is 1.0 if any
-    element was inf or NaN before unscaling, else 0.0; ``sumsq`` is the sum of the squares of
-    the (unscaled, as stored) elements, accumulated in float32 (the summation order, and so the
-    last bits, depend on the backend). Nothing is read back to the host.
-    """
-    if isinstance(grads, torch.Tensor):
-        grads = [grads]
-    grads = list(grads)
-    if not grads:
-        raise ValueError("grads is empty")
-    device = None
-    for i, g in enumerate(grads):
-        if not isinstance(g, torch.Tensor):
-            raise ValueError(f"grads[{i}] is a {type(g).__name__}, expected a tensor")  # noqa: TRY004
-        if g.dtype not in _FLOAT_GRADS:
-            raise ValueError(f"grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
-        if not g.is_contiguous():
-            raise ValueError(f"grads[{i}] is not contiguous")
-        if device is None:
-            device = g.device
-        elif g.device != device:
-            raise ValueError(f"grads[{i}] is on {g.device}, grads[0] on {device}")
-    grads = [g.detach().view(-1) for g in grads]
-    scale = _device_scalar(scale, "scale", device, optional=True)
-    backend = _pick_backend(backend, device)
-    if backend == "triton":
-        return _stats_triton(grads, scale)
-    return _stats_torch(grads, scale)
-
-
-def _stats_torch(grads, scale):
-    device = grads[0].device
-    found = torch.zeros((), dtype=torch.float32, device=device)
-    inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
-           else torch.reciprocal(scale.to(torch.float32)))
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        if g.numel():
-            by_dtype.setdefault(g.dtype, []).append(g)
-    norms = []
-    for dtype, group in by_dtype.items():
-        if dtype == torch.bfloat16 and device.type == "cuda":
-            # torch's fused unscale has no bf16 CUDA kernel: the same steps, one tensor at a time
-            for g in group:
-                found = torch.maximum(found, (~torch.isfinite(g)).any().to(torch.float32))
-                if scale is not None:
-                    g.mul_(inv)  # float math, rounded back to bf16 to nearest even
-        else:
-            # checks each element before multiplying (with inv == 1 it rewrites the same values)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
-        norms.extend(torch._foreach_norm(group, 2, dtype=torch.float32))
-    if not norms:
-        return found, torch.zeros((), dtype=torch.float32, device=device)
-    return found, torch.stack(norms).square().sum()
-
-
-def _stats_triton(grads, scale):
-    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
-
-    interp = _interpreting()
-    k = kernels(interp)
-    cfg = TRITON_CONFIG
-    block, iters = int(cfg["stats_block"]), int(cfg["stats_iters"])
-    device = grads[0].device
-    if device.type == "cuda":  # enough programs to fill the GPU (see TRITON_CONFIG)
-        total, want = sum(g.numel() for g in grads), PROGRAMS_PER_SM * sm_count(device)
-        while iters > 1 and total // (block * iters) < want:
-            iters //= 2
-    span = block * iters
-    progs = [-(-g.numel() // span) for g in grads]
-    total = sum(progs)
-    if total == 0:
-        z = torch.zeros((), dtype=torch.float32, device=device)
-        return z, z.clone()
-    partials = torch.empty(total, dtype=torch.float32, device=device)
-    flags = torch.empty(total, dtype=torch.int32, device=device)
-    off = 0
-    with _launch(device):
-        for g, p in zip(grads, progs):
-            if not p:
-                continue
-            kind = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[g.dtype]
-            k.stats_kernel[(p,)](
-                g.view(torch.int16) if kind == 1 else g, g.numel(), partials[off:], flags[off:],
-                scale if scale is not None else partials,
-                KIND=kind, HAS_SCALE=scale is not None, PTX=ptx(interp), BLOCK=block, ITERS=iters, ALIGN=ALIGN,
-                num_warps=int(cfg["stats_warps"]))
-            off += p
-    return flags.amax().to(torch.float32), partials.sum()

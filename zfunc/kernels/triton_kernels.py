@@ -36,7 +36,7 @@ def kernels(interpret: bool) -> types.SimpleNamespace:
         copy.__annotations__ = fn.__annotations__  # the tl.constexpr marks: FunctionType drops them
         g[name] = triton.jit(copy)
     del interpret  # the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"], stats_kernel=g["_stats_kernel"])
+    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"])
 
 
 def ptx(interpret: bool) -> bool:
@@ -63,16 +63,7 @@ def ptx(interpret: bool) -> bool:
 
 tl = libdevice = None  # bound to triton.language / its libdevice in kernels()
 
-_TRITON_FUNCS = ("_add", "_max", "_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update",
-                 "_adam_kernel", "_stats_block", "_stats_kernel")
-
-
-def _add(a, b):
-    return a + b
-
-
-def _max(a, b):
-    return tl.maximum(a, b)
+_TRITON_FUNCS = ("_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update", "_adam_kernel")
 
 
 def _div(a, b, PTX: tl.constexpr):
@@ -187,53 +178,3 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_
             offs = lo + k * BLOCK + tl.arange(0, BLOCK)
             _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
                          beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
-
-
-def _stats_block(g_ptr, offs, mask, acc, bad, inv, KIND: tl.constexpr, HAS_SCALE: tl.constexpr):
-    raw = tl.load(g_ptr + offs, mask=mask, other=0)
-    if KIND == 1:
-        x = _bf16_bits_to_f32(raw)
-    else:
-        x = raw.to(tl.float32)
-    u = x.to(tl.uint32, bitcast=True)
-    bad = bad | (((u >> 23) & 0xFF) == 0xFF).to(tl.int32)  # exponent all ones: inf or NaN
-    if HAS_SCALE:
-        y = x * inv
-        if KIND == 0:
-            tl.store(g_ptr + offs, y, mask=mask)
-        elif KIND == 1:
-            bits = _bf16_bits(y)
-            tl.store(g_ptr + offs, bits, mask=mask)
-            y = _bf16_bits_to_f32(bits)
-        else:
-            h = y.to(tl.float16)
-            tl.store(g_ptr + offs, h, mask=mask)
-            y = h.to(tl.float32)
-    else:
-        y = x
-    return acc + y * y, bad  # masked lanes load 0 and add 0
-
-
-def _stats_kernel(g_ptr, n, part_ptr, flag_ptr, scale_ptr, KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  PTX: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
-    """Program ``pid`` reduces ``[pid * BLOCK * ITERS, ...)`` to a partial sum of squares and a
-    non-finite flag. The aligned loop stops at the last multiple of ALIGN (vector accesses); the
-    last program also takes the ``n % ALIGN`` elements after it."""
-    pid = tl.program_id(0)
-    base = pid.to(tl.int64) * (BLOCK * ITERS)
-    n_al = n // ALIGN * ALIGN
-    if HAS_SCALE:
-        inv = _div(1.0, tl.load(scale_ptr).to(tl.float32), PTX)  # torch: float(1 / double(scale)), the same
-    else:
-        inv = 1.0
-    lanes = tl.arange(0, BLOCK)
-    acc = (lanes * 0).to(tl.float32)  # zeros of [BLOCK]: tl.full([BLOCK], ...) fails to compile on triton 3.6
-    bad = lanes * 0
-    for k in range(ITERS):
-        offs = base + k * BLOCK + tl.arange(0, BLOCK)
-        acc, bad = _stats_block(g_ptr, offs, offs < n_al, acc, bad, inv, KIND, HAS_SCALE)
-    if pid == tl.num_programs(0) - 1:
-        offs = n_al + tl.arange(0, BLOCK)
-        acc, bad = _stats_block(g_ptr, offs, offs < n, acc, bad, inv, KIND, HAS_SCALE)
-    tl.store(part_ptr + pid, tl.reduce(acc, 0, _add))
-    tl.store(flag_ptr + pid, tl.reduce(bad, 0, _max))

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from numbers import Real
 
 from zfunc.optim.base import GradientTransformation, Hyperparams, chain, identity
+from zfunc.optim.fused import AdamSpec
 from zfunc.optim.schedules import ScalarOrSchedule
 from zfunc.optim.transforms import (
     Mask,
@@ -66,10 +67,11 @@ def _mask(mask: Mask) -> Mask:
     return mask
 
 
-def _named(tx: GradientTransformation, **hyperparams) -> GradientTransformation:
-    """``tx`` with ``hyperparams`` describing the alias (its parts stay under ``transforms``)."""
+def _named(tx: GradientTransformation, fused=None, **hyperparams) -> GradientTransformation:
+    """``tx`` with ``hyperparams`` describing the alias (its parts stay under ``transforms``) and
+    its fused form, if a kernel runs it."""
     return GradientTransformation(tx.init, tx.update,
-                                  Hyperparams(**hyperparams, transforms=tx.hyperparams["transforms"]))
+                                  Hyperparams(**hyperparams, transforms=tx.hyperparams["transforms"]), fused)
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0,
@@ -124,7 +126,9 @@ def adam(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 
     lr, b1, b2, eps, weight_decay = _check_adam(lr, b1, b2, eps, weight_decay)
     descend = scale_by_learning_rate(lr)
     tx = chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps), descend)
-    return _named(tx, name="adam", mode="adam", elementwise=True, learning_rate=lr,
+    # State: (EmptyState, ScaleByAdamState, ScaleByLearningRateState).
+    fused = AdamSpec("adam", b1, b2, eps, weight_decay, None, descend.hyperparams["schedule"], (1,), (2,))
+    return _named(tx, fused, name="adam", mode="adam", elementwise=True, learning_rate=lr,
                   schedule=descend.hyperparams["schedule"],
                   b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=None)
 
@@ -146,7 +150,9 @@ def adamw(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float =
     mask = _mask(mask)
     descend = scale_by_learning_rate(lr, decoupled_weight_decay=weight_decay, mask=mask)
     tx = chain(scale_by_adam(b1, b2, eps), descend)
-    return _named(tx, name="adamw", mode="adamw", elementwise=True, learning_rate=lr,
+    # State: (ScaleByAdamState, ScaleByLearningRateState).
+    fused = AdamSpec("adamw", b1, b2, eps, weight_decay, mask, descend.hyperparams["schedule"], (0,), (1,))
+    return _named(tx, fused, name="adamw", mode="adamw", elementwise=True, learning_rate=lr,
                   schedule=descend.hyperparams["schedule"],
                   b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask)
 

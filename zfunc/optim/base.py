@@ -11,11 +11,9 @@ them as nodes, so torch.func, torch.compile and checkpoints see every leaf).
 Step counters are int64 0-d tensors and learning rates float32 0-d tensors,
 never Python numbers, so a compiled step does not recompile as they change.
 
-``tx.hyperparams`` describes what a transformation is, so that code above the
-optimizer (the offload transform's fused CPU Adam, a shard layer deciding
-whether an update can run on flat shards) can recognize it without
-inspecting closures. It is a read-only mapping; every transformation built
-here fills it with at least
+``tx.hyperparams`` describes what a transformation is (for ``repr``, reports
+and the DeepSpeed config import). It is a read-only mapping; every
+transformation built here fills it with at least
 
 - ``name``: e.g. ``"adamw"``, ``"scale_by_adam"``, ``"chain"``;
 - ``elementwise``: True when the update of one element depends only on that
@@ -24,6 +22,11 @@ here fills it with at least
 
 plus its own arguments (see each constructor). A chain lists its parts under
 ``transforms``.
+
+``tx.fused`` is the transformation's fused form, if a kernel can run it
+(`zfunc.optim.fused.AdamSpec` for adam/adamw, and for a chain of
+``clip_by_global_norm`` followed by one of them); None otherwise. Code that
+runs optimizers in place (`shard`, `offload`) reads only that.
 """
 
 from __future__ import annotations
@@ -69,12 +72,13 @@ class GradientTransformation(NamedTuple):
 
     ``hyperparams`` (defaulted, so ``GradientTransformation(init, update)``
     still works) is a `Hyperparams` mapping describing the transformation,
-    or None for a hand-written one.
+    or None for a hand-written one; ``fused`` its fused form (module doc).
     """
 
     init: Callable[[PyTree], Any]
     update: Callable[..., tuple[PyTree, Any]]
     hyperparams: Hyperparams | None = None
+    fused: Any = None
 
 
 class EmptyState(NamedTuple):
@@ -114,7 +118,19 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     elementwise = all(tx.hyperparams is not None and tx.hyperparams.get("elementwise", False)
                       for tx in transforms)
     return GradientTransformation(init, update,
-                                  Hyperparams(name="chain", elementwise=elementwise, transforms=transforms))
+                                  Hyperparams(name="chain", elementwise=elementwise, transforms=transforms),
+                                  fused=_chain_fused(transforms))
+
+
+def _chain_fused(transforms: tuple[GradientTransformation, ...]):
+    """The fused form of a chain: that of its one part, or of ``(clip_by_global_norm, fusable)``."""
+    if len(transforms) == 1 and transforms[0].fused is not None:
+        return transforms[0].fused.nested(0)
+    if len(transforms) == 2 and transforms[1].fused is not None and transforms[1].fused.clip is None:
+        head = transforms[0].hyperparams
+        if head is not None and head.get("name") == "clip_by_global_norm":
+            return transforms[1].fused.nested(1).clipped(head["max_norm"])
+    return None
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:

@@ -1,103 +1,273 @@
-"""Reading and rebuilding Adam/AdamW states for fused in-place kernels.
+"""The fused form of an optimizer, declared by the optimizer itself, and the one dispatcher to its kernels.
 
 `adam` and `adamw` are chains of pure transformations; a fused kernel (the
-numba one on the host, torch's fused CUDA one on a GPU) does the same
-arithmetic in one pass, in place. `FusedAdam` is the bridge: it reads from an
-optimizer and its state everything such a kernel needs, and builds the state
-that ``tx.update`` would have returned, so the fused path and the pure path
-are interchangeable bit for bit in the state's structure.
+numba one on the host, the Triton one on a GPU) does the same arithmetic in
+one pass, in place. Each alias that a kernel can run carries an `AdamSpec`
+(``tx.fused``): its betas, eps, weight decay and mask, its schedule, an
+optional clip (``chain(clip_by_global_norm(c), adamw(...))`` declares one),
+and *where its state lives*, by name: the paths to its `ScaleByAdamState` and
+`ScaleByLearningRateState` inside the optimizer state. Nothing reverse
+engineers a chain: a chain of anything else declares no fused form and takes
+the pure pytree update.
+
+`fused_update` runs a spec over dicts of tensors: it groups the keys into
+runs that are one gap-free span in every operand (under `shard` a unit's
+parameters, gradients and moments are views of one flat buffer each, so a
+unit is one run per weight decay) and hands each run to the CPU kernel
+(`zfunc.kernels.cpu_adam.adamw_`) or the GPU kernel
+(`zfunc.kernels.gpu_adam.adam_flat_`) by the run's device. It is exact:
+both kernels compute what `adamw`'s pure update computes, to the ulp (the
+kernels' docstrings state the arithmetic).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, Callable, Literal
 
 import torch
 
-from zfunc.optim.transforms import decay_mask
+from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
 
-FUSABLE = ("adam", "adamw")
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOWP_DTYPES = (torch.bfloat16, torch.float16)
 
 
-class FusedAdam(NamedTuple):
-    """One fused Adam/AdamW update, as a kernel sees it.
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity, like the optimizer's closures
+class AdamSpec:
+    """What a fused Adam/AdamW kernel needs, and where the optimizer keeps its state.
 
-    ``step`` is the 1-based step of this update (bias corrections use it),
-    ``lr`` the learning rate of this update (a float32 0-d tensor),
-    ``mu``/``nu`` the moment dicts (updated in place by the kernel),
-    ``weight_decay`` per parameter key (0 where the mask excludes it).
+    Attributes:
+      mode: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay).
+      b1, b2, eps, weight_decay: as in `zfunc.optim.adamw`.
+      mask: which parameters decay (`zfunc.optim.decay_mask`'s forms).
+      schedule: ``count -> lr``.
+      adam_path, lr_path: index paths, inside the optimizer state, to its
+        `ScaleByAdamState` and `ScaleByLearningRateState`.
+      clip: the max norm of a ``clip_by_global_norm`` chained before, or None.
+      tables: kernel tables built for this optimizer (weight-decay chunk tables
+        of the GPU kernel), reused across steps; derived data, not configuration.
     """
 
-    mode: str
-    lr: torch.Tensor
-    step: torch.Tensor
+    mode: Literal["adam", "adamw"]
     b1: float
     b2: float
     eps: float
-    weight_decay: dict[str, float]
-    mu: dict[str, torch.Tensor]
-    nu: dict[str, torch.Tensor]
-    opt_state: Any
-    name: str
-    clip: float | None = None  # chain(clip_by_global_norm(clip), adam/adamw)
+    weight_decay: float
+    mask: Any
+    schedule: Callable[[torch.Tensor], torch.Tensor]
+    adam_path: tuple[int, ...]
+    lr_path: tuple[int, ...]
+    clip: float | None = None
+    tables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
-    @staticmethod
-    def supports(tx) -> bool:
-        """Whether `of` can view ``tx``: adam/adamw, optionally after clip_by_global_norm."""
-        hp = getattr(tx, "hyperparams", None)
-        if hp is not None and hp.get("name") == "chain" and len(hp["transforms"]) == 2:
-            first, second = hp["transforms"]
-            first_hp, second_hp = first.hyperparams or {}, second.hyperparams or {}
-            return first_hp.get("name") == "clip_by_global_norm" and second_hp.get("name") in FUSABLE
-        return hp is not None and hp.get("name") in FUSABLE
+    def nested(self, index: int) -> "AdamSpec":
+        """This spec for the optimizer placed at ``index`` of a chain (paths prefixed)."""
+        return dataclasses.replace(self, adam_path=(index, *self.adam_path), lr_path=(index, *self.lr_path),
+                                   tables={})
 
-    @classmethod
-    def of(cls, tx, opt_state, params: dict) -> "FusedAdam | None":
-        """The fused view of ``(tx, opt_state)``, or None if ``tx`` is not adam/adamw,
-        optionally after ``clip_by_global_norm`` (``chain(clip_by_global_norm(c), adamw(...))``)."""
-        hp = getattr(tx, "hyperparams", None)
-        if hp is not None and hp.get("name") == "chain" and len(hp["transforms"]) == 2:
-            first, second = hp["transforms"]
-            first_hp = first.hyperparams or {}
-            if first_hp.get("name") == "clip_by_global_norm":
-                inner = cls.of(second, opt_state[1], params)
-                if inner is not None and inner.clip is None:
-                    return inner._replace(opt_state=opt_state, clip=float(first_hp["max_norm"]))
-            return None
-        if hp is None or hp.get("name") not in FUSABLE:
-            return None
-        if hp["name"] == "adam":
-            _, adam_state, lr_state = opt_state
+    def clipped(self, max_norm: float) -> "AdamSpec":
+        return dataclasses.replace(self, clip=float(max_norm), tables={})
+
+    # -- the state, by name ----------------------------------------------------
+    def adam_state(self, opt_state) -> ScaleByAdamState:
+        return _at(opt_state, self.adam_path, ScaleByAdamState)
+
+    def lr_state(self, opt_state) -> ScaleByLearningRateState:
+        return _at(opt_state, self.lr_path, ScaleByLearningRateState)
+
+    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor):
+        """The optimizer state after one update whose new moments are ``mu``/``nu`` (exactly the
+        state ``tx.update`` would return: counts + 1, the rate used)."""
+        adam, rate = self.adam_state(opt_state), self.lr_state(opt_state)
+        opt_state = _replace_at(opt_state, self.adam_path, ScaleByAdamState(adam.count + 1, mu, nu))
+        return _replace_at(opt_state, self.lr_path, ScaleByLearningRateState(rate.count + 1, lr))
+
+    def weight_decays(self, params: dict) -> dict[str, float]:
+        if self.mode == "adam" or self.mask is None:
+            return dict.fromkeys(params, self.weight_decay)
+        decays = decay_mask(self.mask, params)
+        return {k: (self.weight_decay if decays[k] else 0.0) for k in params}
+
+
+def _at(tree, path: tuple[int, ...], kind: type):
+    node = tree
+    for i in path:
+        node = node[i]
+    if not isinstance(node, kind):
+        raise TypeError(f"the optimizer state at {path} is {type(node).__name__}, not {kind.__name__}: "
+                        "this state was not made by this optimizer's init")
+    return node
+
+
+def _replace_at(tree, path: tuple[int, ...], value):
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    parts = list(tree)
+    parts[head] = _replace_at(parts[head], rest, value)
+    return type(tree)(*parts) if hasattr(tree, "_fields") else type(tree)(parts)
+
+
+# ---------------------------------------------------------------------------
+# The one dispatcher.
+
+
+def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
+    """Whether a fused kernel takes these: fp32 contiguous params and moments and float gradients,
+    all on one device (empty tensors are skipped, so they may sit anywhere)."""
+    devices = set()
+    for k, p in params.items():
+        if not p.numel():
+            continue
+        g, m, v = grads[k], mu[k], nu[k]
+        if not (p.dtype == m.dtype == v.dtype == torch.float32 and g.dtype in GRAD_DTYPES
+                and p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
+            return False
+        devices.update((p.device, g.device, m.device, v.device))
+    return len(devices) <= 1
+
+
+def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
+                 compute_into: dict | None = None, host_threads: int | None = None):
+    """One Adam/AdamW update through the fused kernels, in place; None if they cannot take these tensors.
+
+    Computes what ``tx.update`` and ``apply_updates`` compute (see the module
+    docstring): ``params`` and the moments are updated in place and returned
+    with the new optimizer state.
+
+    Args:
+      spec: the optimizer's fused form (``tx.fused``).
+      params, grads: dicts keyed alike; params fp32, grads fp32/bf16/fp16.
+      opt_state: the optimizer's state (its moments are updated in place).
+      compute_dtype: also write the new parameters rounded to this dtype (bf16/fp16), in the same pass.
+      compute_into: where to write them, per key (used where dtype, device and size fit).
+      host_threads: threads for the CPU kernel (default: torch's).
+    Returns:
+      ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
+    """
+    adam = spec.adam_state(opt_state)
+    mu, nu = adam.mu, adam.nu
+    if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
+            and isinstance(mu, dict) and mu.keys() == params.keys() and fusable(params, grads, mu, nu)):
+        return None
+    if compute_dtype is not None and compute_dtype not in LOWP_DTYPES:
+        compute_dtype = None  # fp32 compute: the params are the compute copy
+    lr = spec.schedule(spec.lr_state(opt_state).count)
+    step = adam.count + 1
+    divisor = None
+    if spec.clip is not None:  # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
+        divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+    decays = spec.weight_decays(params)
+    copy = compute_outputs(params, compute_dtype, compute_into) if compute_dtype is not None else None
+    operands = [params, grads, mu, nu, *([copy] if copy is not None else [])]
+    keys = [k for k, p in params.items() if p.numel()]
+    for run in contiguous_runs(keys, operands, decays):
+        p, g, m, v, *out = (span_of(d, run) for d in operands)
+        if p.device.type == "cpu":
+            from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
+
+            adamw_(p, g, m, v, lr=float(lr), beta1=spec.b1, beta2=spec.b2, eps=spec.eps,
+                   weight_decay=decays[run[0]], step=int(step), mode=spec.mode,
+                   grad_scale=1.0 if divisor is None else float(divisor),
+                   out_lowp=out[0] if out else None, num_threads=host_threads)
         else:
-            adam_state, lr_state = opt_state
-        decays = decay_mask(hp.get("mask"), params) if hp["name"] == "adamw" else None
-        wd = {k: (hp["weight_decay"] if decays is None or decays[k] else 0.0) for k in params}
-        return cls(hp["mode"], hp["schedule"](lr_state.count), adam_state.count + 1, hp["b1"], hp["b2"],
-                   hp["eps"], wd, adam_state.mu, adam_state.nu, opt_state, hp["name"])
+            from zfunc.kernels.gpu_adam import adam_flat_  # noqa: PLC0415
 
-    def grad_divisor(self, grads: dict) -> torch.Tensor | None:
-        """What to divide the gradients by for the clip (None without one).
+            adam_flat_(p, g, m, v, _segments(spec, run, params, decays), lr=lr.to(p.device),
+                       step=step.to(p.device), beta1=spec.b1, beta2=spec.b2, eps=spec.eps, mode=spec.mode,
+                       grad_scale=None if divisor is None else divisor.to(p.device),
+                       out_lowp=out[0] if out else None)
+    return params, spec.advanced(opt_state, mu, nu, lr), copy
 
-        ``clip_by_global_norm``: ``g ← g · min(1, c / (‖g‖ + 1e-6))`` with the
-        norm over all shards (`zfunc.tree.global_norm`), i.e. a division by
-        ``max(1, (‖g‖ + 1e-6) / c)``, which the fused kernels take as their
-        gradient scale.
-        """
-        if self.clip is None:
-            return None
-        from zfunc.tree import global_norm  # noqa: PLC0415
 
-        factor = (self.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
-        return 1.0 / factor
+def _segments(spec: AdamSpec, run: list[str], params: dict, decays: dict):
+    """The GPU kernel's weight-decay table for one run (built once per layout, then reused)."""
+    from zfunc.kernels.adam_segments import AdamSegments  # noqa: PLC0415
 
-    def new_state(self):
-        """The optimizer state after this update (moments as updated in place)."""
-        state = self.opt_state[1] if self.clip is not None else self.opt_state
-        if self.name == "adam":
-            empty, adam_state, lr_state = state
+    device = params[run[0]].device
+    key = (tuple(run), tuple(params[k].numel() for k in run), str(device))
+    table = spec.tables.get(key)
+    if table is None:
+        runs, start = [], 0
+        for k in run:
+            runs.append((start, params[k].numel(), decays[k]))
+            start += params[k].numel()
+        table = spec.tables[key] = AdamSegments.build(runs, device)
+    return table
+
+
+def compute_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
+                    into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Where the kernel writes the compute copy of each parameter.
+
+    ``into`` where it fits (same device, dtype, size, contiguous); otherwise
+    new buffers laid out like ``params`` (one per gap-free span, pinned host
+    memory when the params live on the host of a CUDA machine), so that moving
+    the copy to the device is one transfer per span.
+    """
+    if into is not None and all(
+            k in into and into[k].dtype == dtype and into[k].device == p.device and into[k].is_contiguous()
+            and into[k].numel() == p.numel() for k, p in params.items()):
+        return {k: into[k] for k in params}
+    return laid_out_like(params, dtype)
+
+
+def laid_out_like(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """New tensors of ``dtype`` shaped like ``tensors``, one buffer per gap-free span of them (pinned
+    host memory for host tensors on a CUDA machine)."""
+    out: dict[str, torch.Tensor] = {}
+    for keys in contiguous_runs([k for k, t in tensors.items() if t.numel()], [tensors]):
+        first = tensors[keys[0]]
+        pin = first.device.type == "cpu" and torch.cuda.is_available()
+        flat = torch.empty(sum(tensors[k].numel() for k in keys), dtype=dtype, device=first.device,
+                           pin_memory=pin)
+        start = first.storage_offset()
+        for k in keys:
+            offset = tensors[k].storage_offset() - start if len(keys) > 1 else 0
+            out[k] = flat[offset:offset + tensors[k].numel()].view(tensors[k].shape)
+    for k, t in tensors.items():
+        if k not in out:  # empty (a rank's empty slice of a parameter)
+            out[k] = torch.empty(t.shape, dtype=dtype, device=t.device)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Flat spans of per-parameter views: fused kernels take a whole run at once.
+
+
+def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None) -> list[list[str]]:
+    """``keys`` split into runs that are one gap-free span, in one order, in every operand.
+
+    Keys are ordered by their position in ``operands[0]``; ``same`` (key -> value):
+    a run also never joins keys whose values differ (e.g. weight decays).
+    """
+    keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(),
+                                       operands[0][k].storage_offset()))
+    runs: list[list[str]] = []
+    for key in keys:
+        last = runs[-1][-1] if runs else None
+        if last is not None and _continues(last, key, operands) and (same is None or same[key] == same[last]):
+            runs[-1].append(key)
         else:
-            adam_state, lr_state = state
-        adam_state = type(adam_state)(self.step, self.mu, self.nu)
-        lr_state = type(lr_state)(lr_state.count + 1, self.lr)
-        new = (empty, adam_state, lr_state) if self.name == "adam" else (adam_state, lr_state)
-        return (self.opt_state[0], new) if self.clip is not None else new
+            runs.append([key])
+    return runs
+
+
+def _continues(previous: str, key: str, operands: list[dict]) -> bool:
+    for d in operands:
+        a, b = d[previous], d[key]
+        if (not a.is_contiguous() or not b.is_contiguous() or a.dtype != b.dtype or a.device != b.device
+                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                or a.storage_offset() + a.numel() != b.storage_offset()):
+            return False
+    return True
+
+
+def span_of(d: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
+    """The 1-D span of ``d``'s storage that ``d[keys]`` cover (contiguous, in this order)."""
+    first = d[keys[0]]
+    if len(keys) == 1:
+        return first.reshape(-1)
+    length = sum(d[k].numel() for k in keys)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (length,))

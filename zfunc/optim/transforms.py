@@ -17,15 +17,16 @@ from typing import Any, NamedTuple
 
 import torch
 
+from zfunc.interpret import psum
 from zfunc.optim.base import EmptyState, GradientTransformation, Hyperparams, first_device
 from zfunc.optim.schedules import ScalarOrSchedule, as_schedule
 from zfunc.tree import (
     PyTree,
-    global_norm,
     tree_flatten,
     tree_leaves,
     tree_map,
     tree_map_with_path,
+    tree_sum_of_squares,
     tree_unflatten,
     tree_zeros_like,
 )
@@ -46,11 +47,16 @@ def _require_params(params: PyTree, who: str) -> None:
 # Clipping
 
 
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """‖tree‖₂ = sqrt(Σ_leaves Σ x²), over all shards when run under `shard` (`zfunc.psum`)."""
+    return psum(tree_sum_of_squares(tree)).sqrt()
+
+
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale all updates together so that their global L2 norm is at most ``max_norm``.
 
     ``n = ‖u‖₂`` over every element of every leaf (over all shards under
-    `shard`, via `zfunc.tree.global_norm`), then ``u ← u · min(1, max_norm / (n + 1e-6))``,
+    `shard`, via `global_norm`), then ``u ← u · min(1, max_norm / (n + 1e-6))``,
     as ``torch.nn.utils.clip_grad_norm_``. No state.
     """
     if max_norm <= 0:
@@ -325,10 +331,6 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
         return EmptyState()
 
     def update(updates: PyTree, state: EmptyState, params: PyTree = None):
-        # Imported at call time, like zfunc.tree.global_norm: interpret sits beside optim in
-        # the primitives layer and may import it; the reverse must not run at import time.
-        from zfunc.interpret import psum
-
         _require_params(params, "scale_by_trust_ratio")
         u_leaves, treedef = tree_flatten(updates)
         p_leaves = tree_leaves(params)

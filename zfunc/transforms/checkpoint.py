@@ -10,8 +10,9 @@ computes.
 
 Blocks (``modules``), resolved by `zfunc.functional.select_blocks`:
 
-- ``None``: the model's repeated blocks (the children of its longest
-  ``ModuleList``/``Sequential`` of same-type modules, a transformer's layers);
+- ``None``: the model's blocks, `zfunc.functional.find_blocks` (the children
+  of its outermost ``ModuleList``/``Sequential`` containers, a transformer's
+  layers; the same blocks `shard` makes its units of);
 - a module class or tuple of classes: every outermost sub-module of that type;
 - a predicate ``name -> bool`` on qualified names;
 - a list of qualified names.
@@ -35,18 +36,23 @@ Policies (a string or one of the small dataclasses below):
                     inputs are already on the host and stay where they are
 ==================  ===========================================================
 
-How `SaveOps` works: in forward the block runs under a `TorchDispatchMode`
-that records the outputs of the chosen aten ops (below autograd, so the
-recording sees plain tensors even inside `torch.func` transforms). In the
+How `SaveOps` works: eagerly, through torch's selective activation
+checkpointing (the chosen ops' outputs are kept, everything else is
+recomputed). Inside a `torch.func` transform, where that is refused, the
+block runs under a `TorchDispatchMode` that records the outputs of the chosen
+aten ops (below autograd, so the recording sees plain tensors). In the
 recompute the same mode hands back the recorded output instead of running
 the op; autograd above it still records the op's own backward (which needs
 the op's inputs, recomputed, not its output), so gradients are exact. Each
 recorded op is matched by position and by its input shapes and dtypes; a
 mismatch (a forward that took another path in the recompute) falls back to
 computing, so a divergence costs time, never correctness. An output that the
-forward later modified in place is not replayed. The mode costs a Python call
-per aten op inside the block (negligible for matmul-sized ops, noticeable for
-blocks made of many tiny ops).
+forward later modified in place is not replayed. Metrics gain
+``save_ops_replayed`` and ``save_ops_recomputed`` (ops of the chosen kinds
+replayed from the forward, and recomputed).
+
+A block in which a BatchNorm in training mode updates its running statistics
+is refused: the recompute would update them a second time.
 
 Composition: the wrappers are of kind ``"around"``, so under
 ``shard(stage=3)`` they wrap shard's gathering wrappers and the recompute
@@ -59,7 +65,6 @@ only asks for a recompute where no "around" wrapper exists). Under
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +72,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.functional import select_blocks
 from zfunc.interpret import Transform
 from zfunc.recompute import recompute
@@ -155,10 +161,21 @@ def parse_policy(policy: Any) -> Recompute | SaveOps | OffloadInputs:
 # The transform
 
 
+class _Counts:
+    """One step's SaveOps counters (per-call scratch): chosen ops replayed and recomputed."""
+
+    def __init__(self) -> None:
+        self.replayed = 0
+        self.recomputed = 0
+
+
 class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
     """Recompute the chosen blocks in backward instead of keeping their activations.
 
-    See the module doc for ``modules`` and ``policy``.
+    Args:
+      step: the step to transform.
+      modules: which blocks (see the module doc); default the model's blocks.
+      policy: "recompute", "save_ops", "offload_inputs" or one of the policy dataclasses.
     """
 
     name = "checkpoint"
@@ -169,10 +186,7 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
         self.policy = parse_policy(policy)
         super().__init__(step)
         self.modules = modules
-        self._blocks: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
         self._save_ops = self.policy.packets() if isinstance(self.policy, SaveOps) else frozenset()
-        # Counters for tests and diagnostics: ops replayed / recomputed by SaveOps.
-        self.stats = {"replayed": 0, "recomputed": 0}
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -181,38 +195,50 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
         out["policy"] = str(self.policy)
         return out
 
-    def blocks(self, model: nn.Module) -> list[str]:
+    def start(self, ctx, state) -> _Counts:
+        return _Counts()
+
+    def run(self, state, batch):
+        counts: _Counts = self.call_scratch()
+        new_state, metrics = self.step(state, batch)
+        if isinstance(self.policy, SaveOps):
+            metrics = {**metrics, "save_ops_replayed": counts.replayed, "save_ops_recomputed": counts.recomputed}
+        return new_state, metrics
+
+    def blocks(self, model: nn.Module, structure=None) -> list[str]:
         """The qualified names of ``model``'s blocks this transform recomputes."""
-        names = self._blocks.get(model)
-        if names is None:
-            try:
-                chosen = select_blocks(model, self.modules)
-            except AttributeError as err:
-                raise ValueError(f"checkpoint(modules={self.modules!r}): {err}") from None
-            chosen = sorted(set(chosen), key=chosen.index)
-            for n in chosen:
-                if isinstance(model.get_submodule(n), (nn.ModuleList, nn.ModuleDict)):
-                    raise ValueError(
-                        f"checkpoint: {n!r} is a {type(model.get_submodule(n)).__name__}, a container that is "
-                        f"never called; select the blocks in it instead (e.g. modules=['{n}.0', ...] or their class)")
-            names = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
-            if not names:
-                hint = ("it has no ModuleList/Sequential of repeated blocks; pass modules= (classes, a "
-                        "predicate on names, or a list of names)") if self.modules is None else "nothing matched"
-                raise ValueError(f"checkpoint found no blocks to recompute in {type(model).__name__}: {hint}")
-            self._blocks[model] = names
+        try:
+            chosen = structure.select(self.modules) if structure is not None else select_blocks(model, self.modules)
+        except AttributeError as err:
+            raise ValueError(f"checkpoint(modules={self.modules!r}): {err}") from None
+        chosen = sorted(set(chosen), key=chosen.index)
+        for n in chosen:
+            if isinstance(model.get_submodule(n), (nn.ModuleList, nn.ModuleDict)):
+                raise ValueError(
+                    f"checkpoint: {n!r} is a {type(model.get_submodule(n)).__name__}, a container that is "
+                    f"never called; select the blocks in it instead (e.g. modules=['{n}.0', ...] or their class)")
+        names = [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
+        if not names:
+            hint = ("it has no ModuleList/Sequential of repeated blocks; pass modules= (classes, a "
+                    "predicate on names, or a list of names)") if self.modules is None else "nothing matched"
+            raise ValueError(f"checkpoint found no blocks to recompute in {type(model).__name__}: {hint}")
         return names
 
     def apply(self, next, call):
-        for name in self.blocks(call.model):
-            call.wrap_block(name, self._wrapper, kind="around")
+        counts: _Counts = self.call_scratch()
+        for name in self.blocks(call.model, call.structure):
+            _refuse_running_statistics(call.structure.submodules_of_type(name, nn.modules.batchnorm._NormBase))
+            call.wrap_block(name, lambda n, body: self._wrapper(body, counts), kind="around")
         return next(call)
 
-    def _wrapper(self, name: str, body: Callable) -> Callable:
+    def _wrapper(self, body: Callable, counts: _Counts) -> Callable:
         policy = self.policy
         if isinstance(policy, SaveOps):
             def saving_body(block_params, *args, **kwargs):
-                return recompute(_Replay(body, self._save_ops, self.stats), block_params, *args, **kwargs)
+                if under_torch_func_or_compile():
+                    return recompute(_Replay(body, self._save_ops, counts), block_params, *args, **kwargs)
+                return recompute(body, block_params, *args, context_fn=_selective(self._save_ops, counts),
+                                 **kwargs)
             return saving_body
         if isinstance(policy, OffloadInputs):
             def offloading_body(block_params, *args, **kwargs):
@@ -223,6 +249,30 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
         def recomputed_body(block_params, *args, **kwargs):
             return recompute(body, block_params, *args, **kwargs)
         return recomputed_body
+
+
+def _refuse_running_statistics(norms: list[tuple[str, nn.Module]]) -> None:
+    for where, module in norms:
+        if module.training and module.track_running_stats:
+            raise ValueError(
+                f"checkpoint: {where} is a {type(module).__name__} in training mode inside a recomputed block; "
+                "the recompute in backward would update its running statistics a second time. Put it in eval "
+                "mode, use track_running_stats=False or a norm without running statistics (LayerNorm, "
+                "GroupNorm), or leave this block out of modules=.")
+
+
+def _selective(ops: frozenset, counts: _Counts) -> Callable:
+    """torch's selective-checkpoint contexts keeping the outputs of ``ops`` (counted as replayed)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # noqa: PLC0415
+
+    def policy(ctx, op, *args, **kwargs):
+        if op.overloadpacket in ops:
+            if not ctx.is_recompute:  # kept now, so the recompute takes it instead of running the op
+                counts.replayed += 1
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return lambda: create_selective_checkpoint_contexts(policy)
 
 
 def _check_modules(modules: Any) -> None:
@@ -252,8 +302,8 @@ class _Replay:
     One instance per block call (each forward of a block gets its own record).
     """
 
-    def __init__(self, body: Callable, ops: frozenset, stats: dict) -> None:
-        self.body, self.ops, self.stats = body, ops, stats
+    def __init__(self, body: Callable, ops: frozenset, counts: _Counts) -> None:
+        self.body, self.ops, self.counts = body, ops, counts
         self.records: list[list] | None = None  # [(func, input signature), output, its version]
 
     def __call__(self, block_params, *args, **kwargs):
@@ -293,20 +343,20 @@ class _OpMode(TorchDispatchMode):
             kept = out if isinstance(out, torch.Tensor) else None
             self.records.append([signature, kept, kept._version if kept is not None else 0])
             return out
-        stats = self.owner.stats
+        counts = self.owner.counts
         if not self.diverged and self.index < len(self.records):
             rec = self.records[self.index]
             self.index += 1
             if rec[0] == signature:
                 saved, rec[1] = rec[1], None  # each record replays once; free it as we go
                 if saved is not None:
-                    stats["replayed"] += 1
+                    counts.replayed += 1
                     return saved.detach()  # a fresh alias: autograd attaches the op's history to it
             else:
                 self.diverged = True
         else:
             self.diverged = True
-        stats["recomputed"] += 1
+        counts.recomputed += 1
         return func(*args, **kwargs)
 
 

@@ -10,8 +10,11 @@ Policy (jmp's four dtypes, each ``"fp32"``, ``"bf16"`` or ``"fp16"``):
 ================  ===========================================================
 ``param_dtype``   the master parameters: what the optimizer updates and what
                   ``step.gather(state)`` returns (normally fp32)
-``compute_dtype`` ``state.params``: the copy the model runs on; floating inputs,
-                  frozen parameters and floating buffers are cast to it too
+``compute_dtype`` ``state.params``: the copy the model runs on; floating inputs
+                  and frozen parameters are cast to it too (floating buffers
+                  keep their own dtype unless ``cast_buffers=True``, as
+                  autocast and FSDP2 do: e.g. Llama's rotary ``inv_freq`` in
+                  bf16 would be off by up to 0.7 at positions past 2048)
 ``output_dtype``  floating outputs of ``apply_fn`` (e.g. fp32 logits, so the
                   loss is computed in fp32)
 ``reduce_dtype``  the dtype in which `shard` should reduce gradients over
@@ -24,7 +27,10 @@ step). jmp's spelling ``"params=fp32,compute=bf16,output=bf16"`` also works.
 
 State: ``state.extras["mixed_precision"]`` is a `MixedPrecisionState`
 (``master`` params dict, ``loss_scale``, ``good_steps``, ``hysteresis_left``,
-``skipped_steps``; 0-d tensors), so saving a state saves the loss scaler.
+``skipped_steps``; 0-d tensors; ``policy``, the policy and loss-scaling mode
+as codes), so saving a state saves the loss scaler, and a state (or a
+checkpoint) made under another policy is refused rather than run with the
+wrong scale.
 ``state.params`` holds the compute copy. ``master`` is empty when
 ``param_dtype == compute_dtype`` (then ``state.params`` *is* the master).
 
@@ -34,15 +40,19 @@ How the primitives change:
   the returned loss is the unscaled one, bitwise. Gradients come back in the
   compute dtype and still *scaled* (as DeepSpeed's ``p.grad``): the step
   should hand them to ``state.apply_gradients`` unchanged.
-- ``apply``: parameters, floating inputs, frozen parameters and floating
-  buffers are cast to the compute dtype, floating outputs to the output
-  dtype. Running statistics (BatchNorm's, in train mode) and any buffer whose
-  version counter the forward bumped are written back into the module, in
-  the module's dtype; inside `value_and_grad` in-place buffer updates are
-  refused, as without mixed precision.
+- ``apply``: parameters, floating inputs and frozen parameters (and floating
+  buffers with ``cast_buffers=True``) are cast to the compute dtype,
+  floating outputs to the output dtype. Running statistics (BatchNorm's, in
+  train mode) and any cast buffer whose version counter the forward bumped
+  are written back into the module, in the module's dtype; inside
+  `value_and_grad` in-place buffer updates are refused, as without mixed
+  precision. A forward that writes into a *parameter* in place
+  (``nn.Embedding(max_norm=...)``) is refused: the write would reach the
+  compute copy only, never the master.
 - ``apply_gradients``: gradients are cast to the master dtype and unscaled;
   the optimizer runs on the master (inner transforms and the optimizer see
-  the master as ``state.params``); the compute copy is re-derived from it.
+  the master as ``state.params``) and hands back the compute copy it wrote
+  (`zfunc.interpret.UpdateRequest`), or it is cast from the master.
 
 fp16 loss scaling (DeepSpeed's ``fp16`` config and its DynamicLossScaler
 semantics; the knobs are keyword arguments of `mixed_precision`):
@@ -76,7 +86,6 @@ one scalar from the device per fp16 step (as DeepSpeed does).
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -85,12 +94,14 @@ import torch
 from torch import nn
 
 from zfunc.autodiff import split_loss
-from zfunc.interpret import Transform, dispatch, psum
+from zfunc.interpret import Facts, Transform, UpdateRequest, Updated, psum
 from zfunc.tree import tree_map_tensors
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
+_SCALING_CODES = {"none": 0, "static": 1, "dynamic": 2}
 _ALIASES: dict[Any, str] = {
     "fp32": "fp32", "float32": "fp32", "f32": "fp32", "full": "fp32", "float": "fp32", torch.float32: "fp32",
     "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
@@ -103,7 +114,8 @@ def _dtype_name(value: Any, field: str) -> str:
     try:
         return _ALIASES[key]
     except (KeyError, TypeError):
-        raise ValueError(f"{field} must be one of 'fp32', 'bf16', 'fp16' (or the torch dtype), got {value!r}") from None
+        raise ValueError(f"{field} must be one of 'fp32', 'bf16', 'fp16' or torch.float32, torch.bfloat16, "
+                         f"torch.float16; got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +144,12 @@ class Policy:
         (``"params=fp32,compute=bf16,output=fp32[,reduce=fp32]"``) or a `Policy`."""
         if isinstance(policy, Policy):
             return policy
+        if isinstance(policy, torch.dtype):
+            low = _dtype_name(policy, "policy")
+            return cls("fp32", low, "fp32", low)
         if not isinstance(policy, str):
-            raise TypeError(f"policy must be a string ('bf16', 'fp16', 'fp32') or a Policy, got {policy!r}")
+            raise TypeError(f"policy must be a string ('bf16', 'fp16', 'fp32'), a torch dtype or a Policy, "
+                            f"got {policy!r}")
         text = policy.strip().lower()
         if "=" not in text:
             low = _dtype_name(text, "policy")
@@ -182,10 +198,11 @@ class MixedPrecisionState(NamedTuple):
     good_steps: torch.Tensor         # int64 0-d: good steps since the last overflow, before this one
     hysteresis_left: torch.Tensor    # int64 0-d: overflows tolerated before the scale drops
     skipped_steps: torch.Tensor      # int64 0-d: total skipped steps
+    policy: torch.Tensor             # int64 (5,): param, compute, output, reduce dtype codes; scaling mode
 
 
 class _StepInfo:
-    """What one call of the transformed step shares between its handlers (not state)."""
+    """What one call of the transformed step shares between its handlers (per-call scratch)."""
 
     def __init__(self, scale: torch.Tensor) -> None:
         self.scale = scale
@@ -208,8 +225,11 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
 
     def __init__(self, step: Callable, policy: str | Policy = "bf16", *, loss_scale: float = 0.0,
                  initial_scale_power: int = 16, loss_scale_window: int = 1000, hysteresis: int = 2,
-                 min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False) -> None:
+                 min_loss_scale: float = 1.0, consecutive_hysteresis: bool = False,
+                 cast_buffers: bool = False) -> None:
         self.policy = Policy.parse(policy)
+        if not isinstance(cast_buffers, bool):
+            raise ValueError(f"cast_buffers must be True or False, got {cast_buffers!r}")
         fp16 = self.policy.compute_dtype == "fp16"
         if not (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
                 and 0 <= loss_scale < float("inf")):
@@ -233,14 +253,24 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         self.hysteresis = hysteresis
         self.min_loss_scale = float(min_loss_scale)
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.cast_buffers = cast_buffers
         # "dynamic", "static" or "none"
         self.scaling = ("static" if loss_scale else "dynamic") if fp16 else "none"
-        self._info: contextvars.ContextVar[_StepInfo | None] = contextvars.ContextVar(
-            f"mixed_precision_{id(self)}", default=None)
 
     @property
     def has_master(self) -> bool:
         return self.policy.param_dtype != self.policy.compute_dtype
+
+    def declare(self, facts: Facts) -> Facts:
+        pol = self.policy
+        return facts.replace(compute_dtype=pol.compute, master_dtype=pol.param, reduce_dtype=pol.reduce,
+                             loss_scaling=self.scaling)
+
+    def _policy_codes(self, device) -> torch.Tensor:
+        pol = self.policy
+        codes = [_CODES[pol.param_dtype], _CODES[pol.compute_dtype], _CODES[pol.output_dtype],
+                 _CODES[pol.reduce_dtype], _SCALING_CODES[self.scaling]]
+        return torch.tensor(codes, dtype=torch.int64, device=device)
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy.short()}
@@ -251,6 +281,8 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                        hysteresis=self.hysteresis, min_loss_scale=self.min_loss_scale)
             if self.consecutive_hysteresis:
                 out["consecutive_hysteresis"] = True
+        if self.cast_buffers:
+            out["cast_buffers"] = True
         return out
 
     # -- layout ----------------------------------------------------------------
@@ -282,6 +314,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             good_steps=torch.zeros((), dtype=torch.int64, device=device),
             hysteresis_left=torch.tensor(self.hysteresis, dtype=torch.int64, device=device),
             skipped_steps=torch.zeros((), dtype=torch.int64, device=device),
+            policy=self._policy_codes(device),
         )
         return state.replace(params=new_params, opt_state=opt_state, extras={**state.extras, self.name: mp})
 
@@ -290,6 +323,17 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if not isinstance(mp, MixedPrecisionState):
             raise ValueError("this state is not in mixed_precision's layout: call step.init(state) on the plain "
                              "state from TrainState.create first")
+        codes = mp.policy.tolist()
+        if codes != self._policy_codes("cpu").tolist():
+            names = {v: k for k, v in _CODES.items()}
+            modes = {v: k for k, v in _SCALING_CODES.items()}
+            made = (f"params={names.get(codes[0])}, compute={names.get(codes[1])}, output={names.get(codes[2])}, "
+                    f"reduce={names.get(codes[3])}, loss scaling {modes.get(codes[4])}") if len(codes) == 5 else codes
+            raise ValueError(
+                f"this state was made under another mixed-precision policy ({made}) than this step's "
+                f"({self.policy.short()!r}, loss scaling {self.scaling}); running it would train with the wrong "
+                "dtypes or loss scale. Use the step that made it, or build a fresh state with this step's init "
+                "and copy the weights in (zfunc.io.restore(dir, like=step.init(...), strict=False)).")
         return mp
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
@@ -297,29 +341,22 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         return next(state.replace(params=dict(mp.master)) if mp.master else state)
 
     # -- the step --------------------------------------------------------------
+    def start(self, ctx, state) -> _StepInfo:
+        return _StepInfo(self._state_of(state).loss_scale)
+
     def run(self, state, batch):
         mp = self._state_of(state)
-        info = _StepInfo(mp.loss_scale)
-        token = self._info.set(info)
-        try:
-            new_state, metrics = self.step(state, batch)
-        finally:
-            self._info.reset(token)
+        info: _StepInfo = self.call_scratch()
+        new_state, metrics = self.step(state, batch)
         out = new_state.extras.get(self.name, mp) if isinstance(getattr(new_state, "extras", None), dict) else mp
         skipped = info.skipped if info.skipped is not None else torch.zeros((), dtype=torch.bool)
         return new_state, {**metrics, "loss_scale": out.loss_scale, "skipped": skipped}
-
-    def _active(self) -> _StepInfo:
-        info = self._info.get()
-        if info is None:
-            raise RuntimeError("mixed_precision's primitives ran outside its step")
-        return info
 
     # -- primitives ------------------------------------------------------------
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
         if self.scaling == "none":
             return next(fn, params, args, kwargs, has_aux)
-        scale = self._active().scale
+        scale = self.call_scratch().scale
 
         def scaled_loss(p, *a, **kw):
             loss, aux = split_loss(fn(p, *a, **kw), has_aux)
@@ -341,10 +378,12 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         params = call.params
         if any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in params.values()):
             params = {k: cast_in(v) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        versions = {k: v._version for k, v in params.items() if isinstance(v, torch.Tensor)}
         constants, buffers = self._constants(call, compute)
         call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
                                    kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
         out = next(call)
+        refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
         for original, copy, version, running_stat in buffers:
             # Running statistics are updated in place without a version bump: write them back always.
             if running_stat or copy._version != version:
@@ -362,13 +401,15 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         return tree_map_tensors(
             lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
 
-    @staticmethod
-    def _constants(call, compute: torch.dtype):
-        """Compute-dtype copies of the frozen parameters and floating buffers (keyed by qualified name)."""
+    def _constants(self, call, compute: torch.dtype):
+        """Compute-dtype copies of the frozen parameters (and floating buffers with ``cast_buffers``),
+        keyed by qualified name."""
         constants = dict(call.constants)
         buffers = []
         cast: dict[int, torch.Tensor] = {}
         for name, where, attr, is_buffer, norm in _constant_slots(call):
+            if is_buffer and not self.cast_buffers:
+                continue
             tensor = where.get(attr)
             source = constants.get(name, tensor)
             if source is None or not source.is_floating_point() or source.dtype == compute:
@@ -382,20 +423,23 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             constants[name] = cast[id(source)]
         return constants, buffers
 
-    def apply_gradients(self, next, state, grads):
+    def apply_gradients(self, next, state, grads, request):
         mp = self._state_of(state)
-        pol = self.policy
-        master_dtype = pol.param
+        master_dtype = self.policy.param
+        if self.has_master:
+            # Ask the update for the compute copy, written into the compute params themselves
+            # where it can (a fused kernel does so in the same pass).
+            request = request._replace(compute_dtype=self.policy.compute, compute_into=dict(state.params))
         if self.scaling == "none":
             if not mp.master:
-                return next(state, {k: g.to(master_dtype) for k, g in grads.items()})
-            # Handed on in the compute dtype: the optimizer's update upcasts them
-            # exactly (`zfunc.state.pure_update`), and a fused kernel reads them
-            # as they are, saving a full fp32 copy of the gradients.
-            new = next(state.replace(params=dict(mp.master)), grads)
-            return self._write_back(new, mp._replace(master=dict(new.params)))
+                return next(state, {k: g.to(master_dtype) for k, g in grads.items()}, request)
+            # Handed on in the compute dtype: the optimizer's update upcasts them exactly
+            # (`zfunc.state.pure_update`), and a fused kernel reads them as they are, saving a
+            # full fp32 copy of the gradients.
+            new = next(state.replace(params=dict(mp.master)), grads, request)
+            return self._write_back(new, mp)
 
-        info = self._active()
+        info = self.call_scratch()
         scale = mp.loss_scale
         # Unscale into fresh master-dtype tensors (never in place into the caller's grads).
         grads = {k: g.to(master_dtype, copy=True) for k, g in grads.items()}
@@ -413,22 +457,21 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                     "min_loss_scale; a NaN at every step may also come from the model or the data "
                     "(check the loss).")
             # Skipped: params, master, optimizer state and step stay; only the scaler moves.
-            return state.replace(extras={**state.extras, self.name: new_mp})
-        inner = state.replace(params=dict(mp.master)) if mp.master else state
-        new = next(inner, grads)
+            return Updated(state.replace(extras={**state.extras, self.name: new_mp}), None)
         if not mp.master:
-            return new.replace(extras={**new.extras, self.name: new_mp})
-        return self._write_back(new, new_mp._replace(master=dict(new.params)))
+            new = next(state, grads, request)
+            return Updated(new.state.replace(extras={**new.state.extras, self.name: new_mp}), new.compute_copy)
+        return self._write_back(next(state.replace(params=dict(mp.master)), grads, request), new_mp)
 
-    def _write_back(self, new, mp: MixedPrecisionState):
-        """``new`` came back from the optimizer holding the master as params: re-derive the compute copy.
-
-        Through the ``compute_copy`` primitive, so that a transform whose fused
-        optimizer kernel already wrote the compute copy (`offload`) hands it
-        over instead of casting the master again.
-        """
-        params = dispatch("compute_copy", plain_compute_copy, mp.master, self.policy.compute)
-        return new.replace(params=params, extras={**new.extras, self.name: mp})
+    def _write_back(self, new: Updated, mp: MixedPrecisionState) -> Updated:
+        """``new`` came back from the optimizer holding the master as params: the compute copy it
+        wrote (or a cast of the master) becomes ``params``."""
+        master = dict(new.state.params)
+        copy = new.compute_copy
+        if copy is None:
+            copy = {k: v.to(self.policy.compute) for k, v in master.items()}
+        state = new.state.replace(params=copy, extras={**new.state.extras, self.name: mp._replace(master=master)})
+        return Updated(state, None)
 
     def _update_scale(self, mp: MixedPrecisionState, overflow: torch.Tensor):
         """The scaler after a step (branch-free), and whether an overflow hit the minimum scale."""
@@ -447,7 +490,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         on_good = full if self.consecutive_hysteresis else torch.where(grow, full, hyst)
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
-        return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps), at_min
+        return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps, mp.policy), at_min
 
 
 def unscale_and_check_(grads: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
@@ -470,47 +513,27 @@ def unscale_and_check_(grads: list[torch.Tensor], scale: torch.Tensor) -> torch.
     return found
 
 
-def plain_compute_copy(master: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The ``compute_copy`` primitive: ``master`` cast to the compute dtype (round to nearest even)."""
-    return {k: v.to(dtype) for k, v in master.items()}
-
-
-def written_compute_copy(written: dict[int, torch.Tensor], master: dict[str, torch.Tensor],
-                         dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-    """The compute copy a fused update already wrote, if it wrote all of it in ``dtype``.
-
-    ``written`` maps ``id(master tensor)`` to the copy written while updating
-    it (`shard`'s and `offload`'s kernels record theirs so); None if any is
-    missing, and the ``compute_copy`` handler then passes the call on.
-    """
-    copies = {k: written.get(id(t)) for k, t in master.items()}
-    if written and all(c is not None and c.dtype == dtype for c in copies.values()):
-        return copies
-    return None
-
-
-def policy_of(step: Callable) -> Policy | None:
-    """The `Policy` of the `mixed_precision` transform in ``step``'s stack, if any.
-
-    `shard` uses it to reduce gradients in ``policy.reduce`` (torch dtype).
-    """
-    from zfunc.interpret import transforms_of
-
-    for t in transforms_of(step):
-        if isinstance(t, mixed_precision):
-            return t.policy
-    return None
+def refuse_parameter_writes(params: dict, versions: dict, why: str) -> None:
+    """Raise if the forward wrote into one of ``params`` in place (its version counter moved)."""
+    for k, v in params.items():
+        if isinstance(v, torch.Tensor) and v._version != versions.get(k, v._version):
+            raise RuntimeError(
+                f"the model's forward wrote into parameter {k!r} in place (e.g. nn.Embedding(max_norm=...) "
+                f"renormalizes its weight during forward), but here the model runs on a copy of it: {why}, so "
+                "the change would be lost and training would silently diverge from eager PyTorch. Make the "
+                "forward pure (renormalize functionally, e.g. F.embedding(..., max_norm=None) and scale the "
+                "rows yourself) or run without this transform.")
 
 
 def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
     """Where the model's frozen parameters and buffers live: (name, the owner's ``_parameters`` or
     ``_buffers``, attribute, is a buffer, the owner if it is a batch norm).
 
-    Found once per model (kept in ``call.cache``) rather than by walking every module of the model
-    on every forward: the tensors are read from these slots at each call, so a buffer the module
-    replaced (``.to()``) is still the one cast.
+    Found once per model (kept in the model's `ModelStructure`) rather than by walking every module
+    of the model on every forward: the tensors are read from these slots at each call, so a buffer
+    the module replaced (``.to()``) is still the one cast.
     """
-    slots = call.cache.get("mixed_precision.constants")
+    slots = call.structure.constant_slots
     if slots is None:
         slots = []
         for prefix, module in call.model.named_modules(remove_duplicate=False):
@@ -519,6 +542,6 @@ def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
             slots += [(head + attr, module._parameters, attr, False, None)
                       for attr, p in module._parameters.items() if p is not None and not p.requires_grad]
             slots += [(head + attr, module._buffers, attr, True, norm) for attr in module._buffers]
-        call.cache["mixed_precision.constants"] = slots
+        call.structure.constant_slots = slots
     return slots
 

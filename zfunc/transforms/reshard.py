@@ -15,7 +15,8 @@ This route needs plain autograd (the refill writes into a tensor autograd
 saved, under `torch.autograd._unsafe_preserve_version_counter`, so autograd
 does not see an in-place change). Inside a `torch.func` transform or a
 `torch.compile` trace, `shard` recomputes the block instead
-(`zfunc.recompute`), which needs nothing private.
+(`zfunc.recompute`), which needs nothing private; so does a block that
+`checkpoint` recomputes anyway.
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ from zfunc.tree import tree_flatten, tree_unflatten
 class ReleasedBuffer:
     """A gathered flat buffer whose storage exists only while its block runs."""
 
-    def __init__(self, full: torch.Tensor, flat_shard: torch.Tensor, group: dist.Group,
-                 counter: dist.CommCounter) -> None:
+    def __init__(self, full: torch.Tensor, flat_shard: torch.Tensor, comm: dist.Comm, tag: str = "") -> None:
         self.full, self.flat_shard = full, flat_shard.detach()
-        self.group, self.counter = group, counter
+        self.comm, self.tag = comm, tag
         self.nbytes = full.untyped_storage().nbytes()
         self.pending = None  # an asynchronous refill in flight
         # Backward is done with the block when both the gradient of the gathered
@@ -71,9 +71,9 @@ class ReleasedBuffer:
         # (gloo does), so it is closed only after the gather has landed.
         guard = torch.autograd._unsafe_preserve_version_counter(self.full)
         if asynchronous:
-            self.pending = (dist.Prefetch(self.flat_shard, self.group, self.counter, out=self.full), guard)
+            self.pending = (self.comm.all_gather_async(self.flat_shard, out=self.full, tag=self.tag), guard)
         else:
-            dist.all_gather_flat(self.flat_shard, self.group, self.counter, out=self.full)
+            self.comm.all_gather(self.flat_shard, out=self.full, tag=self.tag)
             guard.__exit__(None, None, None)
 
     def wait(self) -> None:

@@ -2,8 +2,9 @@
 
 A *unit* is a group of parameters that is gathered (stage 3) or
 reduce-scattered (stage 2) with one collective: by default each of the
-model's repeated blocks is a unit, and every other parameter belongs to the
-root unit ``""``. A unit's parameters, flattened and concatenated in key
+model's blocks (`zfunc.functional.find_blocks`, the same blocks `checkpoint`
+recomputes) is a unit, and every other parameter belongs to the root unit
+``""``. A unit's parameters, flattened and concatenated in key
 order, form one flat buffer padded with zeros to a multiple of N; rank r owns
 the contiguous slice ``[r·S, (r+1)·S)`` of it, S = padded/N. So a parameter may
 be split between ranks, and a rank's slice of a parameter may be empty.
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, Callable, Iterable
 
 import torch
 
-from zfunc.dist import Holder
+from zfunc.functional import find_blocks
 from zfunc.tree import register_pytree_node
 
 ROOT = ""
@@ -97,29 +97,6 @@ class UnitLayout:
         """Per-key views, in their shapes, of a gathered flat buffer."""
         return {key: flat_full[o:o + n].view(shape)
                 for key, o, n, shape in zip(self.keys, self.offsets, self.numels, self.shapes)}
-
-    def reduced_views(self, full: torch.Tensor, slices: dict[str, torch.Tensor], rank: int,
-                      reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What the model sees of this unit: per-key views of ``full``, differentiable w.r.t. ``slices``.
-
-        ``full``: the unit's whole flat buffer (gathered, or resident), plain
-        data. ``slices``: ``rank``'s per-key 1-D slices, the tensors being
-        differentiated. In backward the views' gradients are concatenated
-        once into one padded flat buffer (zeros for a parameter the model did
-        not use), ``reduce(flat)`` turns it into ``rank``'s flat shard (shard:
-        the reduce-scatter of the data-parallel mean), and each slice gets its
-        part as a view. One autograd node per unit and call: slicing ``full``
-        per parameter would give each view its own node, and autograd would
-        sum one zero-filled full-size buffer per parameter (12 in a GPT
-        block: ~8x slower on the CPU); a separate concatenation of the slices,
-        collective node and view node would cost three more Function calls
-        of Python per unit and call. Needs plain autograd (custom Functions
-        returning views are not supported under torch.func).
-        """
-        if not torch.is_grad_enabled() or not any(slices[k].requires_grad for k in self.keys):
-            return dict(zip(self.keys, self.strided_views(full)))
-        return dict(zip(self.keys, _UnitViews.apply(Holder(full), self, rank, reduce,
-                                                    *(slices[k] for k in self.keys))))
 
     def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """`full_views` as one ``as_strided`` each (half the dispatches of slice + view), in key
@@ -194,34 +171,6 @@ class UnitLayout:
         return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
 
 
-class _UnitViews(torch.autograd.Function):
-    """`UnitLayout.reduced_views`: views of a unit's flat buffer out, reduced gradient shards back.
-
-    The ``forward(ctx, ...)`` form: it never runs under torch.func, and unlike
-    the ``setup_context`` form its ``apply`` does not bind arguments through
-    ``inspect.signature`` on every call. For the same reason its backward may
-    call the reduction directly (the functorch limit `zfunc.dist` describes
-    does not arise in plain autograd).
-    """
-
-    @staticmethod
-    def forward(ctx, holder: Holder, unit: UnitLayout, rank: int, reduce, *slices):
-        ctx.unit, ctx.rank, ctx.reduce = unit, rank, reduce
-        ctx.dtype, ctx.device = holder.full.dtype, holder.full.device
-        ctx.set_materialize_grads(False)  # a parameter the model did not use gets None, not zeros
-        return tuple(unit.strided_views(holder.full))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        unit = ctx.unit
-        parts = [torch.zeros(n, dtype=ctx.dtype, device=ctx.device) if g is None else g.reshape(-1)
-                 for g, n in zip(grads, unit.numels)]
-        if unit.padded > unit.numel:
-            parts.append(torch.zeros(unit.padded - unit.numel, dtype=ctx.dtype, device=ctx.device))
-        shard = ctx.reduce(torch.cat(parts))
-        return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """The sharding of a whole state: stage, world size, rank, units.
@@ -242,6 +191,14 @@ class ShardLayout:
     @functools.cached_property
     def _unit_of(self) -> dict[str, UnitLayout]:
         return {key: unit for unit in self.units for key in unit.keys}
+
+    def unit_of_name(self, name: str) -> UnitLayout | None:
+        """The unit called ``name`` (``ROOT`` for the root), if there is one."""
+        return self._by_name.get(name)
+
+    @functools.cached_property
+    def _by_name(self) -> dict[str, UnitLayout]:
+        return {unit.name: unit for unit in self.units}
 
     @functools.cached_property
     def keys(self) -> frozenset[str]:
@@ -264,9 +221,30 @@ register_pytree_node(ShardLayout, lambda layout: ((), layout), lambda layout, _:
 
 
 def make_layout(params: dict[str, torch.Tensor], stage: int, world_size: int, rank: int,
-                unit_names: Iterable[str] | None = None) -> ShardLayout:
-    """Group ``params`` into units (repeated blocks by default, the rest in the root)."""
-    names = list(unit_names) if unit_names is not None else repeated_prefixes(params)
+                unit_names: Iterable[str] | None = None, blocks: Iterable[str] | None = None) -> ShardLayout:
+    """Group ``params`` into units: ``unit_names`` if given, else ``blocks`` (the model's, recorded
+    in the state), else `find_blocks` of the parameter names; everything else goes to the root.
+
+    Refuses unit names that hold no parameter or that nest inside another unit.
+    """
+    if unit_names is not None:
+        names = list(unit_names)
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"shard(units=...): unit names are module names (non-empty strings), got {name!r}")
+            if not any(key.startswith(name + ".") for key in params):
+                raise ValueError(
+                    f"shard(units=...): {name!r} holds no trainable parameter (parameter names look like "
+                    f"{next(iter(params), '?')!r}); name modules whose parameters should be gathered together")
+            outer = next((o for o in names if o != name and name.startswith(o + ".")), None)
+            if outer is not None:
+                raise ValueError(f"shard(units=...): {name!r} lies inside unit {outer!r}; name each module once")
+        if len(set(names)) != len(names):
+            raise ValueError(f"shard(units=...): a unit is named twice in {names}")
+    elif blocks is not None:
+        names = list(blocks)
+    else:
+        names = find_blocks({k: v.numel() for k, v in params.items()})
     groups: dict[str, list[str]] = {name: [] for name in [ROOT, *names]}
     for key in params:
         owner = next((n for n in names if key.startswith(n + ".")), ROOT)
@@ -274,29 +252,6 @@ def make_layout(params: dict[str, torch.Tensor], stage: int, world_size: int, ra
     units = tuple(UnitLayout(name, tuple(keys), tuple(tuple(params[k].shape) for k in keys), world_size)
                   for name, keys in groups.items() if keys)
     return ShardLayout(stage, world_size, rank, units)
-
-
-def repeated_prefixes(params: dict[str, Any]) -> list[str]:
-    """Module names of the repeated blocks, read off parameter names.
-
-    For names like ``blocks.3.mlp.weight`` the candidate container is
-    ``blocks``; the container with the most integer-indexed children whose
-    parameter names have the same suffixes wins (a transformer's layers).
-    """
-    children: dict[str, dict[int, set[str]]] = {}
-    for key in params:
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            if re.fullmatch(r"\d+", part):
-                prefix = ".".join(parts[:i])
-                children.setdefault(prefix, {}).setdefault(int(part), set()).add(".".join(parts[i + 1:]))
-    best: list[str] = []
-    for prefix, kids in children.items():
-        suffixes = {frozenset(s) for s in kids.values()}
-        if len(kids) > 1 and len(suffixes) == 1 and len(kids) > len(best):
-            head = f"{prefix}." if prefix else ""
-            best = [f"{head}{i}" for i in sorted(kids)]
-    return best
 
 
 # --------------------------------------------------------------------------
@@ -339,44 +294,3 @@ def _prod(shape: Iterable[int]) -> int:
     for s in shape:
         out *= s
     return out
-
-
-# ---------------------------------------------------------------------------
-# Flat spans of per-parameter views: fused kernels take a whole run at once.
-
-
-def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None) -> list[list[str]]:
-    """``keys`` split into runs that are one gap-free span, in one order, in every operand.
-
-    Keys are ordered by their position in ``operands[0]``; ``same`` (key -> value):
-    a run also never joins keys whose values differ (e.g. weight decays).
-    """
-    keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(),
-                                       operands[0][k].storage_offset()))
-    runs: list[list[str]] = []
-    for key in keys:
-        last = runs[-1][-1] if runs else None
-        if last is not None and _continues(last, key, operands) and (same is None or same[key] == same[last]):
-            runs[-1].append(key)
-        else:
-            runs.append([key])
-    return runs
-
-
-def _continues(previous: str, key: str, operands: list[dict]) -> bool:
-    for d in operands:
-        a, b = d[previous], d[key]
-        if (not a.is_contiguous() or not b.is_contiguous() or a.dtype != b.dtype or a.device != b.device
-                or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-                or a.storage_offset() + a.numel() != b.storage_offset()):
-            return False
-    return True
-
-
-def span_of(d: dict[str, torch.Tensor], keys: list[str]) -> torch.Tensor:
-    """The 1-D span of ``d``'s storage that ``d[keys]`` cover (contiguous, in this order)."""
-    first = d[keys[0]]
-    if len(keys) == 1:
-        return first.reshape(-1)
-    length = sum(d[k].numel() for k in keys)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (length,))

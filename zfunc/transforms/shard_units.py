@@ -1,0 +1,296 @@
+"""Stages 2 and 3: how a unit's full parameters reach the model, and how its gradient goes back.
+
+One component, `Units`, made once per call of `shard` and decided once per
+call: ``mode`` is "autograd" (zfunc's eager `value_and_grad`) or
+"functional" (inside a `torch.func` transform or a `torch.compile` trace,
+probed once when the step's gradient call starts). Per unit it then hands
+the model views of the unit's full flat buffer — resident (stage 2) or
+all-gathered (stage 3, prefetched one block ahead) — that are
+differentiable with respect to this rank's shards:
+
+- **autograd**: one autograd node per unit and use, `UnitViews`. Its
+  backward concatenates the views' gradients once and gives them to the
+  unit's `Reducer`, which sums the contributions of every use of the unit in
+  this backward pass (a block called twice, a layer shared by two positions,
+  ``apply_fn`` called twice in one loss, checkpoint's recompute of each)
+  and, when the last one arrived, issues the unit's one reduce-scatter,
+  asynchronously. Autograd never sums two buffers whose reductions are still
+  in flight: each slice gets exactly one gradient, from the last use.
+  Uses are counted in the forward pass (never in backward's recomputes), so
+  "the last one" is known. Reductions are waited for when the backward pass
+  returns (`finish_pass`, from the ``gradients_ready`` primitive): under
+  `checkpoint`, whose recomputes run nested backward passes, communication
+  still overlaps the rest of backward.
+- **functional**: the collectives' composable Functions (`dist.AllGather`,
+  `dist.Replicated`), whose reductions are synchronous; stage 3 recomputes
+  its blocks (saved-tensor tricks are refused there).
+
+Stage 3 keeps a gathered block from forward to backward in one of two ways
+(``reshard``), decided per block from the call, never from ambient state: a
+block that `checkpoint` (or ``reshard="recompute"``) recomputes simply
+gathers again in its recompute; any other block is *released* after its
+forward and refilled just before its backward (`zfunc.transforms.reshard`).
+
+Two safety nets: a block's output that is a view of its gathered buffer (a
+block that returns its own bias) is copied out before the buffer is released;
+and a forward that writes into a gathered parameter in place is refused (the
+write would never reach the shards).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import torch
+
+from zfunc import dist
+from zfunc.autodiff import under_torch_func_or_compile
+from zfunc.transforms.reshard import ReleasedBuffer, around_block
+from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
+from zfunc.tree import tree_flatten, tree_unflatten
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass (a recompute's rerun included)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class UnitUse:
+    """One unit in one forward/backward pass: forward uses counted, backward contributions summed."""
+
+    __slots__ = ("uses", "seen", "grad_sum", "issued")
+
+    def __init__(self) -> None:
+        self.uses = 0
+        self.seen = 0
+        self.grad_sum: torch.Tensor | None = None
+        self.issued = False
+
+
+class Reducer:
+    """Called by a unit's `UnitViews` backward with one use's flat gradient; returns the unit's
+    reduced shard once every use has contributed (None before)."""
+
+    def __init__(self, comm: dist.Comm, unit: UnitLayout, use: UnitUse, buffer: ReleasedBuffer | None) -> None:
+        self.comm, self.unit, self.use, self.buffer = comm, unit, use, buffer
+
+    def __call__(self, flat: torch.Tensor) -> torch.Tensor | None:
+        if self.buffer is not None:
+            self.buffer.parameters_grad_ready()
+        use = self.use
+        use.grad_sum = flat if use.grad_sum is None else use.grad_sum.add_(flat)
+        use.seen += 1
+        if use.seen < use.uses or use.issued:
+            return None
+        use.issued = True
+        grad, use.grad_sum = use.grad_sum, None
+        return self.comm.reduce_scatter(grad, self.unit.name)
+
+
+class UnitViews(torch.autograd.Function):
+    """Views of a unit's flat buffer out; the reduced gradient shards back (see the module docstring).
+
+    The ``forward(ctx)`` form: it never runs under torch.func, and unlike the
+    ``setup_context`` form its ``apply`` does not bind arguments through
+    ``inspect.signature`` on every call. One node per unit and use: slicing the
+    buffer per parameter would give each view its own node, and autograd would
+    sum one zero-filled full-size buffer per parameter (12 in a GPT block:
+    ~8x slower on the CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, holder: dist.Holder, unit: UnitLayout, rank: int, reducer: Reducer, *slices):
+        ctx.unit, ctx.rank, ctx.reducer = unit, rank, reducer
+        ctx.dtype, ctx.device = holder.full.dtype, holder.full.device
+        ctx.set_materialize_grads(False)  # a parameter the model did not use gets None, not zeros
+        return tuple(unit.strided_views(holder.full))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        unit = ctx.unit
+        parts = [torch.zeros(n, dtype=ctx.dtype, device=ctx.device) if g is None else g.reshape(-1)
+                 for g, n in zip(grads, unit.numels)]
+        if unit.padded > unit.numel:
+            parts.append(torch.zeros(unit.padded - unit.numel, dtype=ctx.dtype, device=ctx.device))
+        shard = ctx.reducer(torch.cat(parts))
+        if shard is None:
+            return (None, None, None, None, *([None] * len(unit.keys)))
+        return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
+
+
+class Units:
+    """The stage 2/3 unit machinery of one call of `shard` (see the module docstring)."""
+
+    def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"]) -> None:
+        self.layout, self.comm, self.reshard = layout, comm, reshard
+        self.rank = comm.group.rank
+        self.blocks = [u for u in layout.units if u.name != ROOT]
+        self.position = {u.name: i for i, u in enumerate(self.blocks)}
+        self.mode: Literal["autograd", "functional"] = "autograd"
+        self.uses: dict[str, UnitUse] = {}  # this backward pass's forward uses, by unit
+        self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
+        self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
+
+    # -- a pass -------------------------------------------------------------------
+    def start_pass(self) -> None:
+        """A gradient call begins: decide the mode for this call; count uses afresh."""
+        self.mode = "functional" if under_torch_func_or_compile() else "autograd"
+        self.uses = {}
+
+    def finish_pass(self, grads: dict | None) -> dict | None:
+        """The backward pass returned ``grads`` (keyed by param, this rank's shards): reduce what is
+        still unreduced, wait for every reduction, and hand back the final gradients."""
+        flushed = {}
+        for name, use in self.uses.items():
+            if use.grad_sum is not None and not use.issued:
+                # A use whose backward never ran (its output did not reach the loss): reduce the
+                # sum of the uses that did, now, in unit order (the same on every rank).
+                use.issued = True
+                grad, use.grad_sum = use.grad_sum, None
+                flushed[name] = self.comm.reduce_scatter(grad, name)
+        self.comm.finish_pending()
+        self.uses = {}
+        if flushed and grads is not None:
+            units = {u.name: u for u in self.layout.units}
+            grads = dict(grads)
+            for name, shard in flushed.items():
+                grads.update(units[name].shard_views(shard, self.rank))
+        return grads
+
+    def drop(self) -> None:
+        """Finish and forget gathers nobody used (e.g. a forward without backward)."""
+        for prefetch in self.prefetched.values():
+            prefetch.result()
+        self.prefetched.clear()
+        for buffer in self.released.values():
+            buffer.wait()
+        self.released.clear()
+
+    def _use(self, unit: UnitLayout) -> UnitUse:
+        use = self.uses.get(unit.name)
+        if use is None:
+            use = self.uses[unit.name] = UnitUse()
+        return use
+
+    # -- gathering ----------------------------------------------------------------
+    def _prefetch(self, phase: str, index: int, params: dict) -> None:
+        # Stage 3 runs blocks in layout order forward and in reverse in backward's recomputes:
+        # gather the next one while this one computes.
+        if 0 <= index < len(self.blocks) and (phase, self.blocks[index].name) not in self.prefetched:
+            unit = self.blocks[index]
+            self.prefetched[(phase, unit.name)] = self.comm.all_gather_async(
+                unit.shard_data(params, self.rank), tag=unit.name)
+
+    def _gathered(self, unit: UnitLayout, data: torch.Tensor, phase: str, params: dict,
+                  recomputed: bool) -> torch.Tensor:
+        """Block ``unit``'s full flat buffer (prefetched, or gathered now); prefetch the next block."""
+        ready = self.prefetched.pop((phase, unit.name), None)
+        full = ready.result() if ready is not None else self.comm.all_gather(data, tag=unit.name)
+        i = self.position[unit.name]
+        if phase == "forward":
+            self._prefetch("forward", i + 1, params)
+            if i == len(self.blocks) - 1 and recomputed:
+                self._prefetch("backward", i, params)  # backward's recomputes start with the last block
+        elif recomputed:
+            self._prefetch("backward", i - 1, params)
+        return full
+
+    def views(self, unit: UnitLayout, slices: dict, params: dict, full_flats: dict | None,
+              recomputed: bool, buffer: ReleasedBuffer | None = None, full: torch.Tensor | None = None) -> dict:
+        """What the model sees of ``unit`` this time: views of its full buffer keyed by param,
+        differentiable with respect to ``slices`` (this rank's shards)."""
+        if self.mode == "functional":
+            return self._composable_views(unit, slices, params, full_flats)
+        phase = "backward" if in_backward() else "forward"
+        if full is None:
+            if full_flats is not None:
+                full = full_flats[unit.name]
+            elif unit.name == ROOT:
+                full = self.comm.all_gather(unit.shard_data(slices, self.rank), tag=unit.name)
+                self._prefetch("forward", 0, params)
+            else:
+                full = self._gathered(unit, unit.shard_data(slices, self.rank), phase, params, recomputed)
+        grad = torch.is_grad_enabled() and any(slices[k].requires_grad for k in unit.keys)
+        counted = phase == "forward" and (grad or recomputed)
+        use = self._use(unit) if counted or grad else None
+        if counted:
+            use.uses += 1
+        if not grad:
+            return dict(zip(unit.keys, unit.strided_views(full)))
+        reducer = Reducer(self.comm, unit, use, buffer)
+        return dict(zip(unit.keys, UnitViews.apply(dist.Holder(full), unit, self.rank, reducer,
+                                                   *(slices[k] for k in unit.keys))))
+
+    def _composable_views(self, unit: UnitLayout, slices: dict, params: dict, full_flats: dict | None) -> dict:
+        flat_shard = unit.cat_shard(slices, self.rank)
+        if full_flats is not None:
+            full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), self.comm, unit.name)
+        elif unit.name == ROOT:
+            full = dist.AllGather.apply(flat_shard, self.comm, None, unit.name)
+        else:
+            full = dist.AllGather.apply(flat_shard, self.comm, None, unit.name)
+        return unit.full_views(full)
+
+    # -- a block's body -------------------------------------------------------------
+    def block_body(self, unit: UnitLayout, local: dict[str, str], body: Callable, params: dict,
+                   full_flats: dict | None, recomputed: bool) -> Callable:
+        """``body`` (the block's own forward on its params) run on gathered views of ``unit``."""
+
+        def gathered_body(block_params: dict, *args, **kwargs):
+            slices = {local[n]: t for n, t in block_params.items()}
+            release = (full_flats is None and not recomputed and self.reshard == "release"
+                       and self.mode == "autograd" and torch.is_grad_enabled() and not in_backward())
+            if release:
+                return self._released_body(unit, local, body, slices, params, args, kwargs)
+            views = self.views(unit, slices, params, full_flats, recomputed)
+            return _run_checked(body, {n: views[k] for n, k in local.items()}, args, kwargs, views, unit)
+
+        return gathered_body
+
+    def _released_body(self, unit, local, body, slices, params, args, kwargs):
+        data = unit.shard_data(slices, self.rank)
+        full = self._gathered(unit, data, "forward", params, recomputed=False)
+        buffer = ReleasedBuffer(full, data, self.comm, unit.name)
+        self.released[unit.name] = buffer
+        i = self.position[unit.name]
+
+        def refill_previous_block():  # prefetch: backward goes through the blocks in reverse
+            previous = self.released.get(self.blocks[i - 1].name) if i > 0 else None
+            if previous is not None:
+                previous.refill(asynchronous=True)
+
+        views = self.views(unit, slices, params, None, recomputed=False, buffer=buffer, full=full)
+        block_params = {n: views[k] for n, k in local.items()}
+
+        def run(bp, *a, **kw):
+            return _run_checked(body, bp, a, kw, views, unit)
+
+        return around_block(buffer, run, block_params, args, kwargs, refill_previous_block)
+
+
+def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
+                 unit: UnitLayout) -> Any:
+    """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
+    copying out any output that is a view of them (it would outlive the buffer)."""
+    base = next(iter(views.values()))
+    version = base._version
+    out = body(block_params, *args, **kwargs)
+    if base._version != version:
+        raise RuntimeError(
+            f"the forward of block {unit.name!r} wrote into one of its parameters in place (e.g. "
+            "nn.Embedding(max_norm=...) renormalizes its weight), but under shard(stage=2|3) the block runs on "
+            "a gathered copy of its parameters, so the write would never reach the shards and training would "
+            "silently diverge from eager PyTorch. Make the forward pure (renormalize functionally), or make "
+            "this block part of the root unit with shard(..., units=[...]) without it.")
+    return _detach_from(out, base)
+
+
+def _detach_from(out: Any, base: torch.Tensor) -> Any:
+    """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy."""
+    leaves, spec = tree_flatten(out)
+    ptr = base.untyped_storage().data_ptr()
+    changed = False
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() == ptr:
+            leaves[i], changed = x.clone(), True
+    return tree_unflatten(spec, leaves) if changed else out
