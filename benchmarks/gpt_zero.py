@@ -34,8 +34,8 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "medium": (1024, 24, 16, 8),
     "1.3b": (2048, 24, 16, 4),
 }
-ALL = ["floor", "zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s2-offload", "zfunc-s3-offload",
-       "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
+ALL = ["floor", "zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s3-checkpoint", "zfunc-s2-offload",
+       "zfunc-s3-offload", "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
 
 
 def log(*a):
@@ -66,17 +66,17 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False):
+def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False):
     import zfunc as zf
     from zfunc.interpret import Transform
-    from zfunc.transforms import mixed_precision, offload, shard
+    from zfunc.transforms import checkpoint, mixed_precision, offload, shard
 
-    class phases(Transform):  # noqa: N801 - observes the primitives with a PhaseClock
+    class phases(Transform):  # noqa: N801 - observes the primitives with a PhaseClock (its configuration)
         name, level = "phases", 9
 
-        def __init__(self, step):
+        def __init__(self, step, clock):
             super().__init__(step)
-            self.clock = PhaseClock()
+            self.clock = clock
 
         def run(self, state, batch_):
             self.clock.start()
@@ -89,9 +89,9 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False
             self.clock.mark()  # end of the model's forward
             return out
 
-        def apply_gradients(self, next, state, grads):
+        def apply_gradients(self, next, state, grads, request):
             self.clock.mark()  # end of backward (and reductions)
-            return next(state, grads)
+            return next(state, grads, request)
 
     model = make_model(args).to(device)
     apply_fn, params = zf.functional(model)
@@ -104,25 +104,22 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", overlap=False
         return state.apply_gradients(grads), {"loss": loss}
 
     step = mixed_precision(train_step, "bf16")
+    if use_checkpoint:
+        step = checkpoint(step)
     if use_offload:
-        step = offload(step, overlap=overlap)
-    step = phases(shard(step, stage=stage, reshard=reshard))
+        step = offload(step)
+    step = phases(shard(step, stage=stage, reshard=reshard), PhaseClock())
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
-    ahead = []
 
     def one(i):
         nonlocal state
         state, metrics = step(state, batch(args, i, device))
-        if "offload_ahead" in metrics:
-            ahead.append(bool(metrics["offload_ahead"]))
         return metrics["loss"]
 
     result = time_steps(args, one, step.clock)
     profile_steps(args, one)
-    if ahead:  # steps whose host update ran during backward
-        result["offload_ahead"] = sum(ahead[args.warmup:]) / max(1, len(ahead[args.warmup:]))
     return result
 
 
@@ -134,12 +131,15 @@ def run_ddp(args, device):
 
 
 def run_fsdp2(args, device):
+    """FSDP2 as torchtitan configures it: bf16 params, fp32 reductions, every block resharded after
+    its forward except the last (its backward comes right after), then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = make_model(args).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=policy)
+    blocks = list(model.transformer.h)
+    for i, block in enumerate(blocks):
+        fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mp_policy=policy)
     return time_eager(args, model, device, autocast=False)
 
@@ -200,10 +200,10 @@ def run_deepspeed(args, stage, use_offload, device):
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}
     if use_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    # DeepSpeed's own default optimizer: FusedAdam on the GPU, DeepSpeedCPUAdam with offload.
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True}, "zero_optimization": zero, "steps_per_print": 10**9,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1,
-                                                         **({} if use_offload else {"torch_adam": True})}}}
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     clock = PhaseClock()
 
@@ -344,8 +344,7 @@ def main():
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--contenders", default="all",
-                   help="comma list from: " + ",".join(ALL) + " (zfunc-sK-offload-overlap: offload(overlap=True))")
+    p.add_argument("--contenders", default="all", help="comma list from: " + ",".join(ALL))
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over 3 extra steps (rank 0 prints the kernels by GPU time)")
@@ -383,7 +382,7 @@ def main():
             elif name.startswith("zfunc-s"):
                 r = run_zfunc(args, int(name[7]), "offload" in name, device,
                               reshard="recompute" if name.endswith("recompute") else "release",
-                              overlap=name.endswith("overlap"))
+                              use_checkpoint=name.endswith("checkpoint"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:
@@ -395,8 +394,7 @@ def main():
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
-                   f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else "")
-                + (f"  ahead {r['offload_ahead']:.0%}" if "offload_ahead" in r else ""))
+                   f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else ""))
         except Exception as err:  # keep going: one broken contender must not lose the table
             results[name] = {"error": f"{type(err).__name__}: {err}"}
             log(f"{name:18s} FAILED {type(err).__name__}: {str(err)[:300]}")

@@ -38,6 +38,6 @@ if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
-    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s2-offload,zfunc-s2-offload-overlap,ds-z2,ds-z2-offload} \
+    --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s3,zfunc-s3-checkpoint,zfunc-s2-offload,zfunc-s3-offload,fsdp2,ds-z2,ds-z3,ds-z2-offload} \
     --json "$OUT/single_$MODEL${TAG:-}.json" ${PROFILE:+--profile} ${CPROFILE:+--cprofile}
 fi

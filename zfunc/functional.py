@@ -35,12 +35,14 @@ once and kept in a `ModelStructure` beside the apply function.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
 from zfunc.interpret import current, dispatch
+from zfunc.recompute import recompute
 from zfunc.reparametrize import swapped
 from zfunc.tree import describe_mismatch, register_pytree_node
 
@@ -136,6 +138,10 @@ class ModelStructure:
                     self.trainable.append((name, module._parameters, attr, p))
         self.keys = frozenset(self.aliases.values())
         self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
+        # The module is one object shared by every call: swapping tensors into its slots (and a
+        # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
+        # recompute in backward takes it again (possibly from autograd's own thread).
+        self.lock = threading.RLock()
         self._block_names: dict[str, dict[str, str]] = {}
         self._block_ties: dict[str, bool] = {}
         self._outer: dict[tuple, list[tuple[str, str]]] = {}
@@ -220,6 +226,10 @@ class ModelStructure:
 
     def check_trainable(self) -> None:
         """Refuse a call after the module's trainable set changed since `functional` was called."""
+        with self.lock:  # another thread's call may have other tensors in the slots right now
+            self._check_trainable()
+
+    def _check_trainable(self) -> None:
         for name, where, attr, p in self.trainable:
             # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
             # is only a template); what matters is that it still trains.
@@ -403,11 +413,16 @@ def run_model_call(call: ModelCall) -> Any:
     if call.partial_keys:
         outer_params.update(structure.placeholders(call.partial_keys, call.params))
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
+    with structure.lock:
+        return _run_locked(call, model, outer_params)
+
+
+def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
     overrides = [_BlockOverride(call, name) for name in call.block_wrappers]
     for override in overrides:
         override.install()
     try:
-        with swapped(model, outer_params, structure.slots):
+        with swapped(model, outer_params, call.structure.slots):
             return model(*call.args, **call.kwargs)
     except RuntimeError as err:
         if "mutate a captured Tensor" in str(err):
@@ -422,7 +437,7 @@ def run_model_call(call: ModelCall) -> Any:
             override.uninstall()
 
 
-def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, slots: dict,
+def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, structure: ModelStructure,
                 tied: bool = True) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
@@ -431,13 +446,11 @@ def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict,
     not run them again). ``tied``: whether the block holds a tensor under two
     names; only then may swapping in need to re-tie (see `swapped`).
     """
-    with swapped(block, block_params, slots, tie_weights=tied):
+    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied):
         return type(block).forward(block, *args, **kwargs)
 
 
 def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
-    from zfunc.recompute import recompute  # noqa: PLC0415 (recompute builds on functional's bodies)
-
     return lambda block_params, *args, **kwargs: recompute(body, block_params, *args, **kwargs)
 
 
@@ -478,7 +491,7 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs, self.call.structure.slots, self.tied)
+            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied)
         finally:
             self._inside = was_inside
 

@@ -293,6 +293,8 @@ class Transform:
 
     def _run(self, ctx: StepContext, state, batch):
         check_alive(state, f"{self.name}(...)")
+        if self is ctx.stack.transforms[0]:
+            check_laid_out_by(state, {t.name for t in ctx.stack.transforms}, repr(self))
         ctx.scratch[id(self)] = self.start(ctx, state)
         return self.run(state, batch)
 
@@ -406,6 +408,24 @@ def consume(state, by: str) -> None:
     donation = getattr(state, "donation", None)
     if isinstance(donation, Donation) and donation.dead is None:
         donation.dead = by
+
+
+def check_laid_out_by(state, names: set[str], what: str) -> None:
+    """Refuse a state laid out by transforms that ``what`` does not have.
+
+    A transform keeps its own state in ``state.extras[its name]`` (the fp32
+    master, the shard layout); a step without that transform would silently
+    train the wrong tensors (the compute copy instead of the master, say).
+    """
+    extras = getattr(state, "extras", None)
+    foreign = sorted(k for k in extras if k not in names) if isinstance(extras, dict) else []
+    if foreign:
+        raise ValueError(
+            f"this state was laid out by {', '.join(foreign)} (state.extras holds their state), but it is run "
+            f"by {what}, which does not have {'them' if len(foreign) > 1 else 'it'}: the step would train the "
+            "wrong tensors. Run it with the transformed step that made it (step.init(...) then step(state, "
+            "batch)); to change transforms, start from step.gather(state) or restore a checkpoint into the new "
+            "step's init (zfunc.io.restore(dir, like=new_step.init(...))).")
 
 
 def check_alive(state, what: str) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from zfunc.interpret import Donation, UpdateRequest, Updated, current, dispatch
+from zfunc.interpret import Donation, UpdateRequest, Updated, check_laid_out_by, current, dispatch
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.fused import fused_update
 from zfunc.tree import describe_mismatch, register_pytree_node, tree_structure
@@ -101,6 +101,8 @@ class TrainState:
 
 def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], request: UpdateRequest) -> Updated:
     """The ``apply_gradients`` primitive's plain implementation: the optimizer on ``state.params``."""
+    if current() is None:
+        check_laid_out_by(state, set(), "a plain step (no transforms)")
     check_grads_match(state.params, grads)
     params, opt_state, copy = dispatch("update_params", plain_update_params, state.tx, state.params, grads,
                                        state.opt_state, request)

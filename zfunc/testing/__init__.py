@@ -76,7 +76,8 @@ Failures
 If a rank raises, the parent raises :class:`DistributedError` carrying the
 formatted traceback of every rank that failed (the first failure first: the
 others are often consequences, e.g. gloo "connection closed" in ranks that were
-waiting for it); ranks still running ``FAILURE_GRACE_S`` seconds after the first
+waiting for it; a rank killed by a signal counts as first, since its peers'
+errors can reach the parent before its death does); ranks still running ``FAILURE_GRACE_S`` seconds after the first
 failure are killed. A rank that dies without reporting (segfault, ``os._exit``)
 counts as a failure with its exit code. If ``timeout`` seconds pass first, the
 parent dumps the Python stacks of the unfinished ranks (``faulthandler`` on
@@ -293,7 +294,9 @@ def _collect(name, procs, readers, tmpdir, timeout):
         if rank in failures:
             return
         if rank not in returned:
-            failures[rank] = (time.monotonic(), _describe_death(code), None)
+            # Died without a word (a signal, os._exit): its peers' errors ("connection closed") often
+            # reach the parent before its exit does, yet it is the cause. Rank it first.
+            failures[rank] = (-1.0 if code < 0 else time.monotonic(), _describe_death(code), None)
         elif code != 0:
             text = "fn returned on this rank, but then " + _describe_death(code, after_result=True)
             failures[rank] = (time.monotonic(), text, None)

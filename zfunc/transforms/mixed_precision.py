@@ -379,11 +379,19 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in params.values()):
             params = {k: cast_in(v) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
         versions = {k: v._version for k, v in params.items() if isinstance(v, torch.Tensor)}
-        constants, buffers = self._constants(call, compute)
+        with call.structure.lock:  # the module's slots are shared with other threads' calls
+            constants, buffers = self._constants(call, compute)
         call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
                                    kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
         out = next(call)
         refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
+        with call.structure.lock:
+            self._write_back_buffers(call, buffers)
+        return tree_map_tensors(
+            lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
+
+    @staticmethod
+    def _write_back_buffers(call, buffers) -> None:
         for original, copy, version, running_stat in buffers:
             # Running statistics are updated in place without a version bump: write them back always.
             if running_stat or copy._version != version:
@@ -398,8 +406,6 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                         "BatchNorm running statistics). Inside zf.value_and_grad the step is a pure function "
                         "and cannot mutate module state: put such modules in eval mode, use "
                         "track_running_stats=False, or a norm without running statistics.") from err
-        return tree_map_tensors(
-            lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
 
     def _constants(self, call, compute: torch.dtype):
         """Compute-dtype copies of the frozen parameters (and floating buffers with ``cast_buffers``),

@@ -51,6 +51,7 @@ volumes.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -207,6 +208,10 @@ class shard(Transform):  # noqa: N801
                 "to reshard it for this world size")
         if layout.stage != self.stage:
             raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
+        if state.params.keys() != layout.keys:
+            missing, extra = sorted(layout.keys - state.params.keys()), sorted(state.params.keys() - layout.keys)
+            raise ValueError(f"{self!r}: state.params do not match the state's shard layout (missing: {missing[:6]}, "
+                             f"unexpected: {extra[:6]}); use the state that step.init or the step returned")
         return layout, group
 
     @staticmethod
@@ -404,8 +409,6 @@ def _from_rank_zero(state, group: dist.Group):
         log.warning("shard: the ranks built different initial parameters (e.g. seeded with seed + rank); "
                     "every rank now starts from rank 0's, as DDP does")
         if group.rank == 0:
-            import warnings  # noqa: PLC0415
-
             warnings.warn("shard.init: ranks had different initial parameters; using rank 0's (as DDP does). "
                           "Seed every rank alike before building the model to silence this.", stacklevel=3)
 
@@ -425,8 +428,6 @@ def _warn_about_root(layout: ShardLayout) -> None:
     total = sum(u.numel for u in layout.units)
     root = sum(u.numel for u in layout.units if u.name == ROOT)
     if layout.stage == 3 and total and root / total > ROOT_SHARE_WARNING:
-        import warnings  # noqa: PLC0415
-
         warnings.warn(
             f"shard(stage=3): the root unit holds {root / total:.0%} of the parameters and is gathered whole for "
             f"the whole step ({len(layout.units) - 1} block units were found). If the model has blocks that "
