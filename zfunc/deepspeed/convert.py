@@ -136,7 +136,7 @@ def from_config(config: Mapping | str | os.PathLike, model: Any = None, *, world
     stage, zero_calls = read_zero(root, world)
     opt_section = root.section("optimizer")
     spec = read_optimizer(opt_section, zero_stage=stage)
-    _, precision = read_precision(root, stage, fused_adam=spec is not None and spec.fused_adam)
+    precision = read_precision(root, stage, fused_adam=spec is not None and spec.fused_adam)
     checkpointing = read_activation_checkpointing(root, checkpoint_modules)
     clip = read_clipping(root)
     schedule = read_scheduler(root.section("scheduler"), spec, lambda: _peak_lr(opt_section, spec, args))

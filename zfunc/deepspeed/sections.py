@@ -119,9 +119,9 @@ def loss_scaler(fp16: Section, zero_stage: int, fused_adam: bool) -> tuple[dict[
     return kwargs, f"DeepSpeed's stage-0 {name}"
 
 
-def read_precision(root: Section, zero_stage: int, fused_adam: bool) -> tuple[str, TransformCall | None]:
-    """``fp16`` / ``bf16`` / ``communication_data_type`` (and ``amp``, ``data_types``) ->
-    ``(compute dtype name, mixed_precision call or None)``. ``fused_adam``: whether DeepSpeed would
+def read_precision(root: Section, zero_stage: int, fused_adam: bool) -> TransformCall | None:
+    """``fp16`` / ``bf16`` / ``communication_data_type`` (and ``amp``, ``data_types``) -> the
+    ``mixed_precision`` call, or None for fp32. ``fused_adam``: whether DeepSpeed would
     build its FusedAdam (which picks its stage-0 fp16 wrapper, see `loss_scaler`)."""
     fp16 = root.section("fp16")
     if "bf16" in root and "bfloat16" in root:
@@ -175,7 +175,7 @@ def read_precision(root: Section, zero_stage: int, fused_adam: bool) -> tuple[st
     bf16.ignored("immediate_grad_update", "when DeepSpeed's bf16 optimizer adds up gradients; the same sum")
     if not bf16_on:
         bf16.rest_ignored("bf16 is disabled")
-    return compute, call
+    return call
 
 
 def _report_loss_scale(fp16: Section, kwargs: dict[str, Any], zero_stage: int) -> None:
