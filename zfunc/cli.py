@@ -3,6 +3,7 @@
     zfunc consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--step N] [--aliases MODULE:FACTORY]
     zfunc info CKPT_DIR [--step N]          what a checkpoint holds (from its manifest)
     zfunc verify CKPT_DIR [--step N]        check every rank file against the manifest's SHA-256
+    zfunc launch [--hostfile H ...] SCRIPT [ARGS]   torchrun on this node for a DeepSpeed hostfile
 
 ``CKPT_DIR`` is a save directory (its ``latest`` checkpoint, or ``--step``)
 or one ``step_*`` directory. Errors in the checkpoint print one line and exit
@@ -97,6 +98,12 @@ def parser(prog: str = "zfunc") -> argparse.ArgumentParser:
         s.add_argument("ckpt_dir")
         s.add_argument("--step", type=int, default=None)
         s.set_defaults(run=run)
+
+    from zfunc import launch  # noqa: PLC0415 (standard library only)
+
+    lp = sub.add_parser("launch", help="run torchrun on this node for a DeepSpeed hostfile (see zfunc.launch)")
+    launch.add_arguments(lp)
+    lp.set_defaults(run=launch.main)
     return p
 
 

@@ -17,9 +17,12 @@ from zfunc.optim.schedules import (
     Schedule,
     as_schedule,
     constant,
+    linear_one_cycle,
+    lr_range_test,
     one_cycle,
     warmup,
     warmup_cosine,
+    warmup_cosine_ratio,
     warmup_decay,
 )
 from zfunc.optim.transforms import (
@@ -57,6 +60,8 @@ __all__ = [
     "identity",
     "lamb",
     "learning_rate",
+    "linear_one_cycle",
+    "lr_range_test",
     "one_cycle",
     "parameter_name",
     "scale_by_adam",
@@ -66,5 +71,6 @@ __all__ = [
     "trace",
     "warmup",
     "warmup_cosine",
+    "warmup_cosine_ratio",
     "warmup_decay",
 ]

@@ -2,8 +2,11 @@
 
 ``count`` is the number of updates applied before this one, so the first
 update uses ``schedule(0)``; this equals torch's ``LRScheduler.last_epoch``
-when ``scheduler.step()`` is called after each ``optimizer.step()``, and
-DeepSpeed's ``last_batch_iteration`` after its first ``step()``.
+when ``scheduler.step()`` is called after each ``optimizer.step()``. DeepSpeed's
+schedulers are one update behind that: built before the first update, they
+step after each one, so its update ``c`` runs at ``get_lr()`` of
+``last_batch_iteration = c - 1`` (`zfunc.deepspeed` reproduces that timing;
+each DeepSpeed-shaped schedule below says which one it follows).
 
 Every schedule is built from tensor ops only (``torch.where``, ``clamp``,
 ``cos``, ``log``), never from Python branches on the value of ``count``: a
@@ -215,5 +218,115 @@ def one_cycle(max_lr: float, total_steps: int, pct_start: float = 0.3, div_facto
         up = anneal(initial_lr, max_lr, c / end_warm)
         down = anneal(max_lr, min_lr, (c - end_warm) / (end - end_warm))
         return _to_lr(torch.where(c <= end_warm, up, down))
+
+    return schedule
+
+
+def warmup_cosine_ratio(peak_lr: float, warmup_steps: int, total_steps: int, warmup_min_ratio: float = 0.0,
+                        cos_min_ratio: float = 1e-4, warmup_type: str = "log") -> Schedule:
+    """DeepSpeed's ``WarmupCosineLR``: a warmup in ratios of ``peak_lr``, then a cosine.
+
+    Unlike `warmup_cosine` (linear from 0, then a cosine clamped at the end),
+    every value is ``peak_lr × ratio(c)``; with ``W = max(2, warmup_steps)``,
+    ``T = total_steps``, ``c = count`` and ``γ`` as in `warmup`::
+
+        ratio(c) = warmup_min_ratio + (1 - warmup_min_ratio) · γ(c)                  if c < W
+                   max(0, cos_min_ratio + (1 - cos_min_ratio) · (1 + cos(π p)) / 2),
+                       p = (c - W + 1) / (T - W)                                     if c >= W
+
+    ``p`` is not clamped, as in DeepSpeed: past ``T`` the cosine rises again.
+    ``lr(c)`` equals DeepSpeed's ``get_lr()`` at ``last_batch_iteration = c``
+    (its update ``c + 1`` runs at ``lr(c)``; see `zfunc.deepspeed` for the
+    first update).
+    """
+    peak_lr = _check_nonnegative("peak_lr", peak_lr)
+    warmup_min_ratio = _check_nonnegative("warmup_min_ratio", warmup_min_ratio)
+    cos_min_ratio = _check_nonnegative("cos_min_ratio", cos_min_ratio)
+    warmup_steps = _check_steps("warmup_steps", warmup_steps)
+    total_steps = _check_steps("total_steps", total_steps, minimum=1)
+    _check_warmup_type(warmup_type)
+    w = max(2, warmup_steps)
+    if total_steps <= w:
+        raise ValueError(f"total_steps ({total_steps}) must exceed max(2, warmup_steps) = {w}: the cosine "
+                         "phase divides by total_steps - warmup_steps")
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64)
+        warm = warmup_min_ratio + (1.0 - warmup_min_ratio) * _deepspeed_warmup_gamma(c.clamp(max=w - 1), w,
+                                                                                       warmup_type)
+        cosine = (1 + torch.cos(math.pi * (c - w + 1) / (total_steps - w))) / 2
+        decay = (cos_min_ratio + (1.0 - cos_min_ratio) * cosine).clamp(min=0.0)
+        return _to_lr(peak_lr * torch.where(c < w, warm, decay))
+
+    return schedule
+
+
+def linear_one_cycle(min_lr: float, max_lr: float, first_steps: int, second_steps: int | None = None,
+                     decay_rate: float = 0.0, decay_steps: int = 0) -> Schedule:
+    """DeepSpeed's ``OneCycle`` learning rate: Smith's 1cycle with linear phases, then a decay.
+
+    Up from ``min_lr`` to ``max_lr`` in ``first_steps`` updates, back down to
+    ``min_lr`` in ``second_steps`` (default ``first_steps``), then
+    ``min_lr / (1 + decay_rate · (c - S) / decay_steps)`` (or ``min_lr``
+    when ``decay_rate`` or ``decay_steps`` is 0). With ``S = first_steps +
+    second_steps``, ``r = first_steps / S``, ``x = c / S``::
+
+        lr(c) = min_lr + (max_lr - min_lr) · x / r                  if c < S and x <= r
+                min_lr + (max_lr - min_lr) · (x - 1) / (r - 1)      if c < S and x > r
+                min_lr / (1 + decay_rate · (c - S) / decay_steps)   if c >= S
+
+    ``lr(c)`` is the rate DeepSpeed's OneCycle gives update ``c`` (counting
+    from 0: its scheduler starts at ``min_lr`` and steps after each update).
+    Momentum cycling is not part of this schedule; `one_cycle` is torch's
+    OneCycleLR (cosine phases), a different shape.
+    """
+    min_lr = _check_nonnegative("min_lr", min_lr)
+    max_lr = _check_nonnegative("max_lr", max_lr)
+    first_steps = _check_steps("first_steps", first_steps, minimum=1)
+    second_steps = first_steps if second_steps is None else _check_steps("second_steps", second_steps, minimum=1)
+    decay_rate = _check_nonnegative("decay_rate", decay_rate)
+    decay_steps = _check_steps("decay_steps", decay_steps)
+    total = float(first_steps + second_steps)
+    ratio = first_steps / total
+    decays = decay_rate != 0 and decay_steps != 0
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        c = count.to(_F64)
+        x = (1.0 + c / total) - 1.0   # DeepSpeed's own rounding of the cycle position
+        scale = torch.where(x <= ratio, x / ratio, (x - 1) / (ratio - 1))
+        cycle = min_lr + (max_lr - min_lr) * scale
+        if decays:
+            decay = min_lr / (1 + decay_rate * ((c - total).clamp(min=0.0) / decay_steps))
+        else:
+            decay = torch.full_like(c, min_lr)
+        return _to_lr(torch.where(c < total, cycle, decay))
+
+    return schedule
+
+
+def lr_range_test(min_lr: float, step_size: int, step_rate: float = 1.0, staircase: bool = False) -> Schedule:
+    """DeepSpeed's ``LRRangeTest``: a rate that grows linearly (or in stairs) from ``min_lr``.
+
+    With ``c = count``::
+
+        lr(c) = min_lr · (1 + step_rate · c / step_size)            (continuous)
+                min_lr · (1 + step_rate · ⌊c / step_size⌋)          (staircase)
+
+    ``lr(c)`` is the rate DeepSpeed's LRRangeTest gives update ``c`` (counting
+    from 0: its scheduler starts at ``min_lr`` and steps after each update).
+    Train a few hundred steps with it and read where the loss stops falling
+    to choose the peak rate of another schedule.
+    """
+    min_lr = _check_nonnegative("min_lr", min_lr)
+    step_size = _check_steps("step_size", step_size, minimum=1)
+    step_rate = _check_nonnegative("step_rate", step_rate)
+    if not isinstance(staircase, bool):
+        raise TypeError(f"staircase must be True or False, got {staircase!r}")
+
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        interval = count.to(_F64) / step_size
+        if staircase:
+            interval = torch.floor(interval)
+        return _to_lr(min_lr * (1 + step_rate * interval))
 
     return schedule
