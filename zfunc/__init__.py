@@ -9,7 +9,7 @@
     state = step.init(state); state, metrics = step(state, batch)
 """
 
-from zfunc import io, optim, tree
+from zfunc import deepspeed, io, optim, tree
 from zfunc.autodiff import grad, value_and_grad
 from zfunc.functional import FunctionalModel, ModelCall, functional
 from zfunc.interpret import Transform, gather, init, psum
@@ -19,6 +19,6 @@ from zfunc.transforms.accumulate import accumulate
 __version__ = "0.1.0"
 
 __all__ = [
-    "FunctionalModel", "ModelCall", "TrainState", "Transform", "accumulate", "functional", "gather",
+    "FunctionalModel", "ModelCall", "TrainState", "Transform", "accumulate", "deepspeed", "functional", "gather",
     "grad", "init", "io", "optim", "psum", "tree", "value_and_grad",
 ]

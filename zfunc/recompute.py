@@ -86,6 +86,7 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
         return body(dict(zip(keys, param_values)), *a, **kw)
 
     ctx_info = _Plan(run, len(keys), save)
+    ctx_info.functional = under_torch_func_or_compile()  # seen here: inside forward, functorch hides it
     outputs = _RecomputeFunction.apply(ctx_info, *[params[k] for k in keys], *tensors)
     return tree_unflatten(ctx_info.out_spec, list(outputs))
 
@@ -130,6 +131,7 @@ class _Plan:
         self.run, self.num_params, self.save = run, num_params, save
         self.out_spec = None
         self.rng: RNGState | None = None
+        self.functional = False  # whether the call ran under a torch.func transform (then rerun under vjp)
 
 
 class _RecomputeFunction(torch.autograd.Function):
@@ -178,13 +180,28 @@ class _RecomputeFunction(torch.autograd.Function):
                 out = plan.run(values[:plan.num_params], values[plan.num_params:])
                 return tuple(tree_flatten(out)[0])
 
-            with torch.enable_grad():
-                _, vjp_fn = torch.func.vjp(rerun, *[inputs[i].detach() for i in wanted])
-            grads = vjp_fn(tuple(grad_outputs), retain_graph=False, create_graph=False)
+            if plan.functional:
+                with torch.enable_grad():
+                    _, vjp_fn = torch.func.vjp(rerun, *[inputs[i].detach() for i in wanted])
+                grads = vjp_fn(tuple(grad_outputs), retain_graph=False, create_graph=False)
+            else:  # plain autograd (offload_inputs eagerly): the rerun is ordinary autograd too
+                grads = _autograd_rerun(rerun, [inputs[i] for i in wanted], grad_outputs)
         result: list[torch.Tensor | None] = [None] * len(inputs)
         for i, g in zip(wanted, grads):
             result[i] = g
         return (None, *result)
+
+
+def _autograd_rerun(rerun: Callable, inputs: list[torch.Tensor], grad_outputs: tuple) -> list:
+    """The gradients of ``rerun(*inputs)`` given the outputs' gradients, through plain autograd."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    with torch.enable_grad():
+        outs = rerun(*leaves)
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+    if not pairs:
+        return [torch.zeros_like(x) for x in leaves]
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
 
 
 def _rng_devices() -> list[int]:
