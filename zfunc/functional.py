@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from zfunc.interpret import current, dispatch
+from zfunc.materialize import Init, Materializer
 from zfunc.recompute import recompute
 from zfunc.reparametrize import swapped
 from zfunc.tree import describe_mismatch, register_pytree_node
@@ -350,10 +351,11 @@ class Params(dict):
     comprehension are plain dicts and record none."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], ties: dict[str, str],
-                 blocks: list[str] | None = None) -> None:
+                 blocks: list[str] | None = None, materializer: Materializer | None = None) -> None:
         super().__init__(tensors)
         self.ties = dict(ties)
         self.blocks = None if blocks is None else list(blocks)
+        self.materializer = materializer  # a meta-built model: how `step.init` gives the values
 
 
 # A pytree node like a dict (keys sorted, as optree orders dicts), so tree utilities and
@@ -361,28 +363,43 @@ class Params(dict):
 register_pytree_node(
     Params,
     lambda p: ([p[k] for k in sorted(p)], (tuple(sorted(p)), tuple(sorted(p.ties.items())),
-                                           None if p.blocks is None else tuple(p.blocks))),
-    lambda static, values: Params(dict(zip(static[0], values)), dict(static[1]), static[2]),
+                                           None if p.blocks is None else tuple(p.blocks), p.materializer)),
+    lambda static, values: Params(dict(zip(static[0], values)), dict(static[1]), static[2], static[3]),
 )
 
 
-def functional(model: nn.Module) -> tuple[FunctionalModel, dict[str, torch.Tensor]]:
+def functional(model: nn.Module, init: Init = None) -> tuple[FunctionalModel, dict[str, torch.Tensor]]:
     """Split ``model`` into a pure apply function and its trainable params.
 
-    Returns ``(apply_fn, params)``: ``params`` is a dict (qualified name ->
-    tensor) of the trainable parameters, detached copies-free views of the
-    module's own tensors (``p.detach()``; no memory is copied), and
-    ``apply_fn(params, *args, **kwargs)`` runs ``model`` with them swapped
-    in for its own tensors, as `torch.func.functional_call` does (see
-    `zfunc.reparametrize`). See the module docstring for tied weights, frozen
-    parameters and buffers.
+    Args:
+      model: any ``nn.Module``; it may be built on the meta device (``with
+        torch.device("meta"): model = GPT(cfg)``), and then `step.init` gives
+        the parameters their values where they will live, one unit at a time
+        (`zfunc.materialize`), without ever holding the whole model.
+      init: for a meta-built model, its initializer: "reset_parameters"
+        (default), "hf" (a Hugging Face model's own ``_init_weights``) or a
+        function of a module (see `zfunc.materialize`).
+    Returns:
+      ``(apply_fn, params)``: ``params`` is a dict (qualified name -> tensor)
+      of the trainable parameters, detached copy-free views of the module's
+      own tensors (``p.detach()``; meta tensors for a meta-built model), and
+      ``apply_fn(params, *args, **kwargs)`` runs ``model`` with them swapped in
+      for its own tensors, as `torch.func.functional_call` does (see
+      `zfunc.reparametrize`). See the module docstring for tied weights,
+      frozen parameters and buffers.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"functional() takes a torch.nn.Module, got {type(model).__name__}")
     apply_fn = FunctionalModel(model)
     params = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
     ties = {alias: key for alias, key in apply_fn.aliases.items() if alias != key}
-    return apply_fn, Params(params, ties, apply_fn.structure.blocks())
+    materializer = None
+    if any(p.is_meta for p in params.values()):
+        materializer = Materializer(model, apply_fn.aliases, init)
+    elif init is not None:
+        raise ValueError("functional(model, init=...) applies to a model built on the meta device; this one has "
+                         "values already")
+    return apply_fn, Params(params, ties, apply_fn.structure.blocks(), materializer)
 
 
 # --------------------------------------------------------------------------

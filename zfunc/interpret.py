@@ -66,6 +66,7 @@ from typing import Any, Callable, ClassVar, Literal, NamedTuple
 
 import torch
 
+from zfunc.materialize import is_meta, materialized
 from zfunc.tree import tree_leaves
 
 PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
@@ -318,17 +319,28 @@ class Transform:
         return self.step(state, batch)
 
     # -- layout ----------------------------------------------------------
-    def init(self, state):
+    def init(self, state, *, init_device="cpu"):
         """Rewrite a plain `TrainState` into this stack's layout.
 
         Args:
-          state: the state from `TrainState.create` (not already initialized).
+          state: the state from `TrainState.create` (not already initialized). For
+            a model built on the meta device, the parameters get their values here
+            (`zfunc.materialize`), one unit at a time under `shard`.
+          init_device: where a meta-built model's values are drawn (its generator
+            decides them; the CPU matches eager construction).
         Returns:
           The state in this stack's layout (shards, host placement, masters).
         """
         check_alive(state, f"{self.name}(...).init")
+        if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
+            return self.init_meta(state, init_device)
         inner = self.step.init(state) if isinstance(self.step, Transform) else state
         return self.init_state(inner)
+
+    def init_meta(self, state, init_device):
+        """``init`` of a meta-built model's state; by default every value at once (only `shard`, which keeps
+        a share of each unit, streams them)."""
+        return self.init(materialized(state, init_device))
 
     def init_state(self, state):
         return state
@@ -439,9 +451,14 @@ def check_alive(state, what: str) -> None:
             "take step.gather(state).")
 
 
-def init(step: Callable, state):
-    """``step.init(state)`` for a transform, ``state`` itself for a plain step."""
-    return step.init(state) if isinstance(step, Transform) else state
+def init(step: Callable, state, *, init_device="cpu"):
+    """``step.init(state)`` for a transform; for a plain step ``state`` itself (given values first if
+    the model was built on the meta device)."""
+    if isinstance(step, Transform):
+        return step.init(state, init_device=init_device)
+    if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
+        return materialized(state, init_device)
+    return state
 
 
 def gather(step: Callable, state) -> dict[str, torch.Tensor]:

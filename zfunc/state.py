@@ -48,6 +48,9 @@ class TrainState:
     extras: dict[str, Any] = dataclasses.field(default_factory=dict)
     ties: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
     blocks: tuple[str, ...] | None = dataclasses.field(default=None, repr=False)
+    # A meta-built model's initializer (`zfunc.materialize`): the params are meta tensors until
+    # `step.init` (or `zf.init`) gives them values.
+    materializer: Any = dataclasses.field(default=None, repr=False)
     donation: Donation = dataclasses.field(default_factory=Donation, repr=False, compare=False)
 
     @classmethod
@@ -75,10 +78,13 @@ class TrainState:
             if key not in params:
                 raise ValueError(f"TrainState.create: tied weight {alias!r} -> {key!r}, but params has no {key!r}")
         blocks = getattr(params, "blocks", None) if blocks is None else list(blocks)
+        materializer = getattr(params, "materializer", None)
         device = next(iter(params.values())).device if params else None
+        if device is not None and device.type == "meta":
+            device = torch.device("cpu")  # the step counter is a value even for a meta-built model
         return cls(step=torch.zeros((), dtype=torch.int64, device=device), params=dict(params),
                    opt_state=tx.init(dict(params)), tx=tx, ties=tuple(sorted(ties.items())),
-                   blocks=None if blocks is None else tuple(blocks))
+                   blocks=None if blocks is None else tuple(blocks), materializer=materializer)
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with some fields replaced (the state itself is immutable)."""
@@ -159,14 +165,13 @@ def check_grads_match(params: Any, grads: Any) -> None:
 
 
 def _flatten(state: TrainState):
-    return (state.step, state.params, state.opt_state, state.extras), (state.tx, state.ties, state.blocks)
+    return (state.step, state.params, state.opt_state, state.extras), \
+        (state.tx, state.ties, state.blocks, state.materializer)
 
 
 def _unflatten(static, children) -> TrainState:
     step, params, opt_state, extras = children
-    tx, ties, blocks = static
+    tx, ties, blocks, materializer = static
     return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras, ties=ties,
-                      blocks=blocks)
+                      blocks=blocks, materializer=materializer)
 
-
-register_pytree_node(TrainState, _flatten, _unflatten)

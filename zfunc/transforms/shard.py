@@ -63,6 +63,7 @@ from zfunc.transforms.shard_layout import (
     ShardLayout,
     make_layout,
     map_param_shaped,
+    merge_units,
     zip_param_shaped,
 )
 from zfunc.transforms.shard_units import Units
@@ -171,6 +172,41 @@ class shard(Transform):  # noqa: N801
             for unit in layout.units:
                 new_params.update(unit.full_views(unit.pack_full(state.params)))
         return state.replace(params=new_params, opt_state=opt_state, extras={**extras, "shard": layout})
+
+    def init_meta(self, state, init_device):
+        """A meta-built model: values drawn unit by unit (`zfunc.materialize`); each complete unit goes
+        through the inner transforms' init and is cut to this rank's share at once, so no rank ever holds
+        more than one unit (and the root unit) of full values."""
+        group = self._group()
+        layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
+        _agree_on_structure(self, state, layout, group)
+        _same_random_stream(group, torch.device(init_device))
+        _warn_about_root(layout)
+        pieces = []
+
+        def take(name: str, values: dict[str, torch.Tensor]) -> None:
+            unit = layout.unit_of_name(name)
+            sub = type(state).create({k: values[k] for k in unit.keys}, state.tx)
+            del values
+            sub = self.step.init(sub) if isinstance(self.step, Transform) else sub
+            pieces.append(self._partition_unit(self._place(sub, group), layout, unit))
+
+        state.materializer.run({u.name: frozenset(u.keys) for u in layout.units}, take, init_device, group.device)
+        merged = merge_units(pieces, list(state.params))
+        return merged.replace(extras={**merged.extras, "shard": layout}, ties=state.ties, blocks=state.blocks)
+
+    def _partition_unit(self, state, layout: ShardLayout, unit):
+        """``state`` (one unit's keys, full tensors, inner layout) as this rank's share of ``unit``."""
+        keys = set(unit.keys)
+
+        def partition(tree: dict) -> dict:
+            full = unit.pack_full(tree)
+            return unit.shard_views(unit.rank_region(full, layout.rank).clone(), layout.rank)
+
+        opt_state = map_param_shaped(state.opt_state, keys, partition)
+        extras = map_param_shaped(dict(state.extras), keys, partition)
+        params = partition(state.params) if self.stage == 3 else unit.full_views(unit.pack_full(state.params))
+        return state.replace(params=params, opt_state=opt_state, extras=extras)
 
     def _place(self, state, group: dist.Group):
         """The state where the stack says it lives: on an NCCL group, the parameters (and, unless an
@@ -422,6 +458,23 @@ def _from_rank_zero(state, group: dist.Group):
         return placed if placed.device == t.device else placed.to(t.device)
 
     return tree_map_tensors(broadcast, state)
+
+
+def _same_random_stream(group: dist.Group, device: torch.device) -> None:
+    """Every rank draws a meta-built model's values from rank 0's generator state (ranks seeded with
+    ``seed + rank`` would otherwise build different models)."""
+    if group.size == 1:
+        return
+    cuda = device.type == "cuda"
+    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
+    placed = group.place(state.clone())
+    work = torch.distributed.broadcast(placed, src=torch.distributed.get_global_rank(group.handle, 0)
+                                       if group.handle is not None else 0, group=group.handle, async_op=True)
+    dist.Comm(group).finish(work, "sending rank 0's random generator state")
+    if cuda:
+        torch.cuda.set_rng_state(placed.cpu(), device)
+    else:
+        torch.set_rng_state(placed.cpu())
 
 
 def _warn_about_root(layout: ShardLayout) -> None:

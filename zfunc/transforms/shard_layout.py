@@ -289,6 +289,36 @@ def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dic
     return new
 
 
+def merge_units(pieces: list, order: list[str]) -> Any:
+    """One tree from per-unit trees of one structure: their param-shaped dicts (each keyed by its unit's
+    keys) joined in ``order``; every other leaf taken from the first piece (they agree: step counts,
+    loss scales)."""
+    def keys_of(tree) -> set:
+        return set(tree.params) if hasattr(tree, "params") else set()
+
+    key_sets = [keys_of(p) for p in pieces]
+    position = {k: i for i, k in enumerate(order)}
+
+    def merge(nodes: list) -> Any:
+        first = nodes[0]
+        if all(is_param_shaped(n, ks) for n, ks in zip(nodes, key_sets)):
+            joined = {k: v for n in nodes for k, v in n.items()}
+            return {k: joined[k] for k in sorted(joined, key=position.__getitem__)}
+        if isinstance(first, dict):
+            return {k: merge([n[k] for n in nodes]) for k in first}
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*(merge([n[i] for n in nodes]) for i in range(len(first))))
+        if isinstance(first, (list, tuple)):
+            return type(first)(merge([n[i] for n in nodes]) for i in range(len(first)))
+        if hasattr(first, "params") and hasattr(first, "replace"):  # a TrainState
+            return first.replace(step=first.step, params=merge([n.params for n in nodes]),
+                                 opt_state=merge([n.opt_state for n in nodes]),
+                                 extras=merge([n.extras for n in nodes]))
+        return first
+
+    return merge(pieces)
+
+
 def _prod(shape: Iterable[int]) -> int:
     out = 1
     for s in shape:
