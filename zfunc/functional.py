@@ -300,6 +300,7 @@ class FunctionalModel:
         self.structure.check_trainable()
         if current() is None:
             self._check_full(params)
+        _check_devices(params, args, kwargs)
         call = ModelCall(self.model, params, args, kwargs, self.structure)
         return dispatch("apply", run_model_call, call)
 
@@ -366,6 +367,20 @@ register_pytree_node(
                                            None if p.blocks is None else tuple(p.blocks), p.materializer)),
     lambda static, values: Params(dict(zip(static[0], values)), dict(static[1]), static[2], static[3]),
 )
+
+
+def _check_devices(params: dict, args: tuple, kwargs: dict) -> None:
+    """One clear error when the parameters and the inputs are on different kinds of device (a model
+    built on the CPU, a batch on the GPU), instead of a device mismatch deep inside the model."""
+    param = next((t for t in params.values() if isinstance(t, torch.Tensor)), None)
+    tensor = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+    if param is None or tensor is None or param.device.type == tensor.device.type or param.is_meta:
+        return
+    raise ValueError(
+        f"apply_fn: the parameters are on {param.device} but the inputs on {tensor.device}. The state lives where "
+        "it was built: build the model on the device it trains on (or move it there) before zf.functional and "
+        "TrainState.create, let shard place it (an NCCL group puts the state on its GPU), or move the batch to "
+        f"{param.device}.")
 
 
 def functional(model: nn.Module, init: Init = None) -> tuple[FunctionalModel, dict[str, torch.Tensor]]:

@@ -175,3 +175,6 @@ def _unflatten(static, children) -> TrainState:
     return TrainState(step=step, params=params, opt_state=opt_state, tx=tx, extras=extras, ties=ties,
                       blocks=blocks, materializer=materializer)
 
+
+
+register_pytree_node(TrainState, _flatten, _unflatten)
