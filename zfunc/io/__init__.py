@@ -91,7 +91,8 @@ directory that is not a checkpoint — raises `CheckpointError` (a
 """
 
 from zfunc.io.export import consolidate
-from zfunc.io.format import FORMAT_VERSION, CheckpointError, read_manifest
+from zfunc.io.format import FORMAT_VERSION, CheckpointError
+from zfunc.io.manifest import read_manifest
 from zfunc.io.reader import list_checkpoints, locate, restore
 from zfunc.io.writer import save
 
