@@ -755,6 +755,28 @@ def test_data_loss_a_second_save_into_a_locked_directory_says_so(ck, pristine):
     assert [s for s, _ in zf.io.list_checkpoints(ck)] == [3]
 
 
+@pytest.mark.parametrize("content", [b"my own lock notes\n", b"pid 12 on host\n" + b"x" * 200])
+def test_data_loss_a_user_file_named_like_the_lock_is_not_overwritten(tmp_path, content):
+    (tmp_path / ".zfunc.lock").write_bytes(content)
+    with pytest.raises(CheckpointError, match=r"\.zfunc\.lock exists and is not zfunc's lock file"):
+        save(tmp_path, build()[1])
+    assert (tmp_path / ".zfunc.lock").read_bytes() == content and not list(tmp_path.glob("step_*"))
+
+
+def test_data_loss_a_filesystem_without_locks_saves_with_a_warning(tmp_path, pristine, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.warns(UserWarning, match=r"does not support file locks .*only one save writes into it at a time"):
+        save(tmp_path, pristine.state)
+    monkeypatch.undo()
+    assert_same(restored(tmp_path)[0], pristine.state)
+
+
 def _saver(directory: Path, start: int, seconds: float) -> None:
     """Child process: save steps start, start+2, ... for ``seconds``; exit 0 if every failure was the lock's."""
     code = 3
@@ -877,6 +899,73 @@ def test_hang_a_call_on_rank_0_only_fails_fast_with_a_message(two_ranks, tmp_pat
     assert seconds < 5
     if op == "save":
         assert not root.exists()  # no lock, no files: nothing happened
+
+
+def _one_rank_differs(case: str, root: str):
+    """Rank 1 (of 2) does something the others do not; every rank must raise, none may wait forever."""
+    import dataclasses
+
+    from zfunc.io import writer
+
+    os.environ["ZFUNC_TIMEOUT_S"] = "5"
+    rank = torch.distributed.get_rank()
+    try:
+        if case == "client_state":
+            save(root, build(0)[1], {"ok": 1} if rank == 0 else {1: 2})
+        elif case == "rng capture fails":
+            if rank == 1:
+                def broken():
+                    raise RuntimeError("CUDA error: device lost")
+                writer.capture_rng = broken
+            save(root, build(0)[1])
+        elif case == "template of another rank":
+            like = build(3)[1]
+            if rank == 1:
+                layout = like.extras["shard"]
+                like = like.replace(extras={**like.extras, "shard": dataclasses.replace(layout, rank=0)})
+            restore(root, like=like)
+        elif case == "different steps":
+            restore(root, like=build(0)[1], step=None if rank == 0 else 2)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("client_state", "dict keys must be str"),
+    ("rng capture fails", "rank 1: RuntimeError: CUDA error: device lost"),
+    ("template of another rank", "the template is sharded for rank 0 of 2, but this process is rank 1 of 2"),
+    ("different steps", "ranks resolved different checkpoints"),
+])
+def test_hang_one_rank_that_differs_fails_every_rank(two_ranks, tmp_path, pristine, case, expected):
+    root = two_ranks.copy(tmp_path)
+    if case == "different steps":
+        save(root, pristine.state.replace(step=torch.tensor(5)))  # latest is step 5 now
+    start = time.monotonic()
+    errors = run_distributed(_one_rank_differs, 2, case, str(root), timeout=60)
+    assert all(e is not None and expected in e for e in errors), errors
+    assert time.monotonic() - start < 5  # answered at once, not after the timeout
+
+
+def _rank_3_skips_save(root: str):
+    os.environ["ZFUNC_TIMEOUT_S"] = "0.5"
+    if torch.distributed.get_rank() == 3:
+        time.sleep(2.0)
+        torch.distributed.destroy_process_group()
+        return None
+    try:
+        save(root, build(0)[1])
+    except CollectiveError as e:
+        torch.distributed.destroy_process_group()
+        return str(e)
+    return None
+
+
+def test_hang_one_rank_of_four_that_skips_save_fails_the_others_fast(tmp_path):
+    errors = run_distributed(_rank_3_skips_save, 4, str(tmp_path / "ck"), timeout=60)
+    assert errors[3] is None
+    for e in errors[:3]:
+        assert "zf.io.save (check): every rank of the process group must call zf.io.save" in e
 
 
 def _save_while_other_restores(root: str):

@@ -22,7 +22,10 @@ from zfunc.io.manifest import is_debris, latest_text, read_latest, validate, why
 
 LOCK = ".zfunc.lock"
 STEP_DIR = re.compile(r"step_(\d+)")
+PARKED = re.compile(r"step_(\d+)\.old-[0-9a-f]+")  # a checkpoint set aside while its step is saved again
 STALE = re.compile(r"step_\d+\.(tmp|del|old)-[0-9a-f]+|latest\.tmp-[0-9a-f]+")
+HOLDER_BYTES = 128  # the lock file's content: who holds it
+HOLDER = re.compile(r"pid \d+ on \S*")
 UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
@@ -44,6 +47,12 @@ class SaveLock:
             self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise CheckpointError(f"save: cannot create the lock file {self.path} ({e.strerror})") from None
+        content = self._holder()
+        if os.fstat(self.fd).st_size > HOLDER_BYTES or (content and not HOLDER.fullmatch(content)):
+            os.close(self.fd)
+            self.fd = None
+            raise CheckpointError(f"save: {self.path} exists and is not zfunc's lock file; zfunc neither uses nor "
+                                  "overwrites it: move it away, or save elsewhere")
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -59,12 +68,12 @@ class SaveLock:
             warnings.warn(f"save: the filesystem of {directory} does not support file locks ({e.strerror}); make "
                           "sure only one save writes into it at a time", stacklevel=3)
             return
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        holder = f"pid {os.getpid()} on {socket.gethostname()}"[:HOLDER_BYTES - 1]
+        os.pwrite(self.fd, holder.ljust(HOLDER_BYTES - 1).encode() + b"\n", 0)  # fixed width: no truncate
 
     def _holder(self) -> str:
         try:
-            return os.pread(self.fd, 200, 0).decode("utf-8", errors="replace").strip()
+            return os.pread(self.fd, HOLDER_BYTES + 1, 0).decode("utf-8", errors="replace").strip()
         except OSError:
             return ""
 

@@ -9,7 +9,7 @@ others raise `zfunc.dist.CollectiveError` after ``group.timeout`` seconds
 
 Phases that move data (writing, hashing, deleting old checkpoints) may take
 long on a slow filesystem, so their exchanges wait the group's timeout plus
-the time to move ``nbytes`` at `SLOWEST_IO` bytes per second.
+the time to move their bytes at `SLOWEST_IO` bytes per second (`io_seconds`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,18 @@ from zfunc.io.format import CheckpointError
 SLOWEST_IO = 16 << 20  # bytes/s: a filesystem slower than this makes a save look hung
 
 
-def exchange(op: str, phase: str, obj: Any, group: dist.Group, nbytes: int = 0) -> list[Any]:
-    """Every rank's ``obj`` (JSON-able), in rank order, after checking all ranks are at ``op``'s ``phase``."""
-    if nbytes:
-        group = dataclasses.replace(group, timeout=group.timeout + nbytes / SLOWEST_IO)
+def io_seconds(nbytes: int) -> float:
+    """How long moving ``nbytes`` may take on the slowest filesystem a save is expected to meet."""
+    return nbytes / SLOWEST_IO
+
+
+def exchange(op: str, phase: str, obj: Any, group: dist.Group, extra_s: float = 0.0) -> list[Any]:
+    """Every rank's ``obj`` (JSON-able), in rank order, after checking all ranks are at ``op``'s ``phase``.
+
+    Waits at most ``group.timeout + extra_s`` seconds for the other ranks (`zfunc.dist.CollectiveError`).
+    """
+    if extra_s:
+        group = dataclasses.replace(group, timeout=group.timeout + extra_s)
     got = dist.all_gather_json([op, phase, obj], group,
                                f"zf.io.{op} ({phase}): every rank of the process group must call zf.io.{op}, "
                                "not only rank 0")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zfunc import dist
-from zfunc.io.commit import STEP_DIR
+from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
     apply_rng,
@@ -37,7 +37,7 @@ from zfunc.io.format import (
     verify_checksums,
 )
 from zfunc.io.manifest import MAX_MANIFEST, read_latest, read_manifest, recorded_digest
-from zfunc.io.ranks import exchange, raise_if_failed
+from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.io.writer import step_name
 from zfunc.state import TrainState
 from zfunc.transforms.shard_layout import ShardLayout
@@ -83,7 +83,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     except Exception as e:  # noqa: BLE001 (as above)
         error = _describe(e, g)
     try:
-        raise_if_failed("restore", exchange("restore", "check", error, g, _bytes_in(step_dir)), g.rank)
+        raise_if_failed("restore", exchange("restore", "check", error, g, io_seconds(_bytes_in(step_dir))), g.rank)
         client_state = reader.load(rng, g.size, progress)
     finally:
         if reader is not None:
@@ -149,8 +149,8 @@ def locate(directory: str | os.PathLike, step: int | None = None) -> Path:
             raise CheckpointError(f"{d}: no complete checkpoint of step {step} (there is no {step_name(step)}/"
                                   f"{MANIFEST}); steps present: {have}")
         return found[0]
-    parked = [(int(p.name[5:p.name.index(".")]), p) for p in d.glob("step_*.old-*")
-              if not p.is_symlink() and (p / MANIFEST).is_file()]
+    parked = [(int(m.group(1)), p) for p in d.iterdir()
+              if (m := PARKED.fullmatch(p.name)) and not p.is_symlink() and (p / MANIFEST).is_file()]
     latest = read_latest(d)
     if latest is not None:
         chosen = _follow_latest(d, *latest, done + parked)

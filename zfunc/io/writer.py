@@ -36,11 +36,12 @@ from zfunc.io.format import (
     write_safetensors,
 )
 from zfunc.io.manifest import rank_file
-from zfunc.io.ranks import exchange, raise_if_failed
+from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.state import TrainState
 from zfunc.transforms.shard_layout import ShardLayout
 
 PART_BYTES = 512 << 20  # bytes per rank file before a new part starts
+SHOW_PATIENCE = 1.0     # seconds a shared filesystem may take to show one node the files another wrote
 
 
 def step_name(step: int) -> str:
@@ -110,7 +111,7 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
                     commit(directory, tmp, name, _manifest(state, plan, g.size, infos), keep, token)
                 except Exception as e:  # noqa: BLE001 (every rank raises it below)
                     outcome = f"save: could not commit {directory / name}: {type(e).__name__}: {e}"
-            outcome = exchange("save", "commit", outcome, g, nbytes)[0]
+            outcome = exchange("save", "commit", outcome, g, io_seconds(nbytes))[0]
             if outcome:
                 raise CheckpointError(outcome)
         except BaseException:
@@ -168,7 +169,7 @@ def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: in
         info.update(rng=plan.rng, client_state=plan.client_state)
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
         error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
-    results = exchange("save", "write", [info, error], g, nbytes)
+    results = exchange("save", "write", [info, error], g, io_seconds(nbytes))
     raise_if_failed("save", [r[1] for r in results], g.rank)
     return [r[0] for r in results]
 
@@ -185,7 +186,7 @@ def _check_shared(directory: Path, tmp: Path, infos: list[dict], g: dist.Group) 
     unseen = _unseen(expected)
     report = f"rank {g.rank} does not see {', '.join(unseen[:3])}{' ...' if len(unseen) > 3 else ''}" \
         if unseen else None
-    failed = [e for e in exchange("save", "shared", report, g) if e]
+    failed = [e for e in exchange("save", "shared", report, g, SHOW_PATIENCE) if e]
     if failed:
         raise CheckpointError(
             f"save: the ranks do not share {directory}: {'; '.join(failed[:4])} in {tmp.name}. Every rank writes "
@@ -193,7 +194,7 @@ def _check_shared(directory: Path, tmp: Path, infos: list[dict], g: dist.Group) 
             "GPFS...), not a disk local to each node. Nothing was committed and no checkpoint was deleted.")
 
 
-def _unseen(expected: dict[str, tuple[Path, int]], patience: float = 1.0) -> list[str]:
+def _unseen(expected: dict[str, tuple[Path, int]], patience: float = SHOW_PATIENCE) -> list[str]:
     """Which of ``expected`` (label: (path, size)) are not there with their size, allowing a shared
     filesystem ``patience`` seconds to show files another node wrote."""
     deadline = time.monotonic() + patience
