@@ -104,8 +104,8 @@ def assert_restores(path, pristine: Saved) -> None:
 # Integrity: damaged bytes are found, whichever file they are in
 
 
-MANIFEST_SPOTS = ['"data_pos": ', '"cuda_devices": ', '"step": ', '"sha256": "', '"embed.weight": [\n', '"world_size": ',
-                  '"weights": "', '"numpy": [\n']
+MANIFEST_SPOTS = ['"data_pos": ', '"cuda_devices": ', '"step": ', '"sha256": "', '"embed.weight": [\n',
+                  '"world_size": ', '"weights": "', '"numpy": [\n']
 
 
 @pytest.mark.parametrize("spot", MANIFEST_SPOTS + ["first byte", "last byte"])
@@ -134,11 +134,12 @@ def test_integrity_the_flip_that_used_to_pass_silently(ck):
         restored(ck)
 
 
-@pytest.mark.parametrize("damage", ["flipped digit", "missing", "garbage", "symlink"])
+@pytest.mark.parametrize("damage", ["another digit", "missing", "garbage", "symlink"])
 def test_integrity_a_damaged_manifest_checksum_file_is_caught(ck, damage):
     sums = ck / STEP / "manifest.sha256"
-    if damage == "flipped digit":
-        flip_bit(sums, 3)
+    if damage == "another digit":
+        text = sums.read_text()
+        sums.write_text(("0" if text[0] != "0" else "1") + text[1:])
         expected = r"checksum mismatch"
     elif damage == "missing":
         sums.unlink()
@@ -171,10 +172,15 @@ def test_integrity_a_flipped_step_number_in_latest_still_finds_its_checkpoint(ck
     assert client["data_pos"] == 8  # the checksum in `latest` designates step 3, and step 3 it is
 
 
-def test_integrity_a_flipped_checksum_in_latest_is_an_error(ck, pristine):
+@pytest.mark.parametrize("damage", ["another hex digit", "not a hex digit"])
+def test_integrity_a_damaged_checksum_in_latest_is_an_error(ck, pristine, damage):
     two_checkpoints(ck, pristine)
-    flip_bit(ck / "latest", -5)
-    with pytest.raises(CheckpointError, match=r"latest: records manifest checksum .* damaged"):
+    text = (ck / "latest").read_text()
+    swapped = {"another hex digit": "0" if text[-5] != "0" else "1", "not a hex digit": "g"}[damage]
+    (ck / "latest").write_text(text[:-5] + swapped + text[-4:])
+    expected = {"another hex digit": r"latest: records manifest checksum .* damaged",
+                "not a hex digit": r"latest: not in the format zfunc writes .*damaged"}[damage]
+    with pytest.raises(CheckpointError, match=expected):
         restored(ck)
     assert restored(ck, step=3)[1]["data_pos"] == 8  # and an explicit step still reads
 
@@ -291,7 +297,7 @@ def _link_latest(ck: Path) -> None:
     (_link_rank_file, r"rank_00000\.safetensors: is a symbolic link"),
     (_link_manifest, r"manifest\.json: is a symbolic link"),
     (_link_step_dir, r"names step_000002, which is a symbolic link"),
-    (_link_latest, r"latest: not written by zfunc \(a link"),
+    (_link_latest, r"latest: not in the format zfunc writes \(a link"),
 ])
 def test_confinement_symbolic_links_are_refused(ck, link, expected):
     link(ck)
@@ -674,7 +680,7 @@ def test_data_loss_a_foreign_latest_is_refused_not_overwritten(tmp_path, kind):
     else:
         latest.write_text("step_000001 " + "0" * 64 + "\n" * 200)
     snapshot = sorted((str(p), p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*"))
-    with pytest.raises(CheckpointError, match=r"latest: not written by zfunc .*move it away"):
+    with pytest.raises(CheckpointError, match=r"latest: not in the format zfunc writes .*move it away"):
         save(root, build()[1])
     assert not list(root.glob("step_*"))
     after = sorted((str(p), p.read_bytes() if p.is_file() else None) for p in tmp_path.rglob("*")
@@ -698,11 +704,13 @@ def test_data_loss_a_foreign_directory_with_the_step_name_is_not_replaced(tmp_pa
 
 @pytest.mark.parametrize("target", [f"ck/{STEP}/rank_00000.safetensors", f"ck/{STEP}/manifest.json",
                                     f"ck/{STEP}/new.safetensors", f"ck/{STEP}", "ck/latest", "ck/.zfunc.lock",
-                                    "ck/step_000001", "link_into_checkpoint.safetensors", "step dir itself"])
+                                    "ck/step_000001", "link_into_checkpoint.safetensors", "step dir itself",
+                                    "latest beside the step dir read"])
 def test_data_loss_consolidate_refuses_to_write_inside_its_checkpoint(ck, capsys, target):
     base = ck.parent
-    source = ck / STEP if target == "step dir itself" else ck
-    out = ck / STEP / "rank_00000.safetensors" if target == "step dir itself" else base / target
+    source = ck / STEP if target in ("step dir itself", "latest beside the step dir read") else ck
+    out = {"step dir itself": ck / STEP / "rank_00000.safetensors",
+           "latest beside the step dir read": ck / "latest"}.get(target, base / target)
     if target.startswith("link"):
         out.symlink_to(ck / STEP / "rank_00000.safetensors")
     before = {p: p.read_bytes() for p in (ck / STEP).iterdir()}
@@ -907,7 +915,7 @@ def _one_rank_differs(case: str, root: str):
 
     from zfunc.io import writer
 
-    os.environ["ZFUNC_TIMEOUT_S"] = "5"
+    os.environ["ZFUNC_TIMEOUT_S"] = "60"  # far above the answer's time: an answer is not a timeout
     rank = torch.distributed.get_rank()
     try:
         if case == "client_state":
@@ -942,9 +950,9 @@ def test_hang_one_rank_that_differs_fails_every_rank(two_ranks, tmp_path, pristi
     if case == "different steps":
         save(root, pristine.state.replace(step=torch.tensor(5)))  # latest is step 5 now
     start = time.monotonic()
-    errors = run_distributed(_one_rank_differs, 2, case, str(root), timeout=60)
+    errors = run_distributed(_one_rank_differs, 2, case, str(root), timeout=120)
     assert all(e is not None and expected in e for e in errors), errors
-    assert time.monotonic() - start < 5  # answered at once, not after the timeout
+    assert time.monotonic() - start < 30  # answered at once, not after the 60 s timeout
 
 
 def _rank_3_skips_save(root: str):

@@ -110,7 +110,8 @@ def _output(out: Path, directory: Path, step_dir: Path) -> Path:
     if real == checkpoint or checkpoint in real.parents:
         raise CheckpointError(f"consolidate: {out} is inside the checkpoint it reads ({step_dir}): writing it would "
                               "replace the checkpoint's own files. Choose a path outside it")
-    root = Path(os.path.realpath(directory))
+    # The save directory the checkpoint lives in (when it is one of its step_* entries): its own entries too.
+    root = checkpoint.parent if STEP_DIR.fullmatch(checkpoint.name) else Path(os.path.realpath(directory))
     if root != checkpoint and root in real.parents:
         first = real.relative_to(root).parts[0]
         if first in (LATEST, LOCK) or STEP_DIR.fullmatch(first) or STALE.fullmatch(first):
@@ -159,8 +160,8 @@ def _aliases(aliases: AliasChoice | nn.Module | dict[str, str], manifest: dict, 
             warnings.warn(f"consolidate {step_dir}: a format-1 checkpoint records no tied weights; pass "
                           "aliases=model (or model=) to write their other names", stacklevel=3)
     else:
-        raise TypeError(f"aliases must be 'recorded', 'none', a model or a dict alias -> parameter name, got "
-                        f"{aliases!r}")
+        raise TypeError(f"aliases must be 'recorded' (the default: the tied names the checkpoint recorded), 'none', "
+                        f"a model or a dict alias -> parameter name, got {aliases!r}")
     for alias, key in chosen.items():
         if not isinstance(alias, str) or key not in shapes:
             raise CheckpointError(f"consolidate: alias {alias!r} -> {key!r}, but the checkpoint has no parameter "

@@ -196,10 +196,10 @@ def open_regular(path: Path) -> int:
 def read_small(path: Path, limit: int) -> bytes:
     """The whole of a small file (a manifest, its checksum, ``latest``), refused past ``limit`` bytes."""
     with os.fdopen(open_regular(path), "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise CheckpointError(f"{path}: {size} bytes, more than the {limit} a zfunc {path.name} can have")
-        return f.read(limit + 1)[:limit]
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: more than the {limit} bytes a zfunc {path.name} can have")
+    return data
 
 
 class Entry:

@@ -81,12 +81,11 @@ def write_manifest(step_dir: Path, manifest: dict) -> str:
 
 
 def read_manifest(step_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of one checkpoint directory, checked against its checksum and validated."""
-    return read_manifest_and_digest(step_dir)[0]
+    """The manifest of one checkpoint directory, checked against its checksum and validated.
 
-
-def read_manifest_and_digest(step_dir: str | os.PathLike) -> tuple[dict[str, Any], str]:
-    """``(manifest, SHA-256 of its bytes)``: see `read_manifest`."""
+    Raises `CheckpointError` naming the file (and the field) for a missing,
+    damaged, newer-format or malformed manifest.
+    """
     step_dir = Path(step_dir)
     path = step_dir / MANIFEST
     try:
@@ -120,7 +119,7 @@ def read_manifest_and_digest(step_dir: str | os.PathLike) -> tuple[dict[str, Any
         validate(manifest, path)
     except RecursionError:
         raise CheckpointError(f"{path}: corrupt (nested too deeply)") from None
-    return manifest, digest
+    return manifest
 
 
 def recorded_digest(step_dir: Path) -> str | None:
@@ -380,8 +379,9 @@ def read_latest(directory: Path) -> tuple[str, str | None] | None:
 
 
 def _foreign_latest(path: Path, what: str) -> CheckpointError:
-    return CheckpointError(f"{path}: not written by zfunc ({what}; zfunc's holds one line 'step_<n> <sha256>'); "
-                           "zfunc neither reads nor replaces it: move it away, or use another directory")
+    return CheckpointError(f"{path}: not in the format zfunc writes ({what}; zfunc's holds one line 'step_<n> "
+                           "<sha256>'): damaged, or not written by zfunc. zfunc neither reads nor replaces it: move "
+                           "it away (or restore with step=), or use another directory")
 
 
 # --------------------------------------------------------------------------
