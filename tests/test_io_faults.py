@@ -597,6 +597,26 @@ def test_data_loss_ranks_that_do_not_share_the_directory_all_raise_and_nothing_i
         restore(Path(place) / "ck", like=build(0)[1], rng=False)
 
 
+def _restore_where(places: list[str]):
+    os.chdir(places[torch.distributed.get_rank()])
+    try:
+        restore("ck", like=build(0)[1])
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_data_loss_restore_on_ranks_that_do_not_share_the_directory_says_so(two_ranks, tmp_path):
+    places = [tmp_path / "node0", tmp_path / "node1"]
+    for place in places:
+        place.mkdir()
+    two_ranks.copy(places[0])  # only node 0 holds the checkpoint
+    errors = run_distributed(_restore_where, 2, [str(p) for p in places])
+    for e in errors:
+        assert "ck: not a zfunc checkpoint directory" in e and "rank(s) [0] found the checkpoint" in e
+        assert "do all ranks see the same filesystem?" in e
+
+
 def _save_into(path: str):
     state = build(0)[1]
     save(path, state.replace(step=torch.tensor(5)), keep=1)
