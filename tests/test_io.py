@@ -1,5 +1,6 @@
 """zfunc.io in one process: round trips, the files, consolidation, crashes, and every kind of bad input."""
 
+import hashlib
 import json
 import os
 import random
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 import zfunc as zf
+from tests.io_tools import rewrite_manifest, write_manifest_bytes
 from tests.models import TinyLM, make_batch, tiny_lm_step
 from zfunc.cli import main as cli_main
 from zfunc.io import CheckpointError, consolidate, list_checkpoints, restore, save
@@ -66,7 +68,9 @@ def test_round_trip_plain_in_place_with_client_state_and_rng(tmp_path):
     np.random.seed(9)
     path = save(tmp_path, state, client)
     assert path == tmp_path / "step_000002"
-    assert (tmp_path / "latest").read_text() == "step_000002\n"
+    digest = hashlib.sha256((path / "manifest.json").read_bytes()).hexdigest()
+    assert (tmp_path / "latest").read_text() == f"step_000002 {digest}\n"
+    assert (path / "manifest.sha256").read_text() == f"{digest}  manifest.json\n"  # what sha256sum prints
 
     _, like, _ = make()
     before = {id(t) for t in leaves(like)}
@@ -128,9 +132,9 @@ def test_files_are_plain_safetensors_and_json(tmp_path):
     _, state, _ = trained(stage=3)
     save(tmp_path, state)
     d = tmp_path / "step_000002"
-    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "rank_00000.safetensors"]
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "manifest.sha256", "rank_00000.safetensors"]
     m = json.loads((d / "manifest.json").read_text())
-    assert (m["format_version"], m["world_size"], m["stage"], m["step"]) == (1, 1, 3, 2)
+    assert (m["format_version"], m["world_size"], m["stage"], m["step"]) == (2, 1, 3, 2)
     assert m["params"]["embed.weight"] == [13, 10] and m["weights"] == "params"
     part = m["files"][0]["parts"][0]
     assert part["file"] == "rank_00000.safetensors" and len(part["sha256"]) == 64
@@ -163,7 +167,7 @@ def test_keep_latest_resave_and_named_steps(tmp_path):
     save(tmp_path, early, {"i": "rewound"}, keep=2)
     assert [s for s, _ in list_checkpoints(tmp_path)] == [0, 5]
     assert restore(tmp_path, like=make()[1])[1] == {"i": "rewound"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000000", "step_000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".zfunc.lock", "latest", "step_000000", "step_000005"]
 
 
 def test_large_ranks_are_split_into_parts_read_in_parallel(tmp_path):
@@ -311,9 +315,7 @@ def test_missing_rank_file(saved):
 
 def test_newer_format_version(saved):
     root, d = saved
-    m = json.loads((d / "manifest.json").read_text())
-    m["format_version"] = 99
-    (d / "manifest.json").write_text(json.dumps(m))
+    rewrite_manifest(d, lambda m: m.update(format_version=99))  # as a newer zfunc would write it
     with pytest.raises(CheckpointError, match=r"manifest\.json: written in checkpoint format version 99 .*upgrade"):
         _restore(root)
 
@@ -321,7 +323,10 @@ def test_newer_format_version(saved):
 def test_corrupt_manifest(saved):
     root, d = saved
     (d / "manifest.json").write_text('{"format": "zfunc-checkpoint", "format_')
-    with pytest.raises(CheckpointError, match=r"manifest\.json: corrupt"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json: checksum mismatch"):
+        _restore(root)
+    write_manifest_bytes(d, b'{"format": "zfunc-checkpoint", "format_')  # even with its checksum sealed anew
+    with pytest.raises(CheckpointError, match=r"manifest\.json: corrupt \(not JSON"):
         _restore(root)
 
 
@@ -411,7 +416,7 @@ def test_sigkill_at_random_moments_never_breaks_the_checkpoint(tmp_path):
     assert last > 3  # the saves did make progress between kills
 
 
-@pytest.mark.parametrize("fail_at", range(16))
+@pytest.mark.parametrize("fail_at", range(32))  # every rename, fsync and delete of the three saves
 @pytest.mark.filterwarnings("ignore:.*names a missing or incomplete checkpoint")  # the fallback, when hit
 def test_a_failure_at_any_filesystem_step_leaves_a_complete_checkpoint(tmp_path, monkeypatch, fail_at):
     """Crash simulation: the n-th rename/delete/fsync of a save raises."""
@@ -444,7 +449,8 @@ def test_a_failure_at_any_filesystem_step_leaves_a_complete_checkpoint(tmp_path,
         except (CheckpointError, OSError):
             pass
         assert _check_complete(tmp_path) in (1, 2, 3)
+    assert calls["n"] > fail_at  # the simulated crash did happen
     monkeypatch.undo()
     save(tmp_path, state, {"step": 3}, keep=1)  # and the next save cleans up after the crash
     assert _check_complete(tmp_path) == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000003"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".zfunc.lock", "latest", "step_000003"]

@@ -1,19 +1,28 @@
-"""The ``zfunc`` command.
+"""The ``zfunc`` command (also ``python -m zfunc.io``).
 
-    zfunc consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--step N] [--aliases MODULE:FACTORY]
+    zfunc consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--step N] [--model MODULE:FACTORY]
+                                   [--aliases MODULE:FACTORY | --no-aliases] [--no-verify] [-q]
     zfunc info CKPT_DIR [--step N]          what a checkpoint holds (from its manifest)
-    zfunc verify CKPT_DIR [--step N]        check every rank file against the manifest's SHA-256
+    zfunc verify CKPT_DIR [--step N]        check every file of a checkpoint against its checksum and manifest
     zfunc launch [--hostfile H ...] SCRIPT [ARGS]   torchrun on this node for a DeepSpeed hostfile
 
 ``CKPT_DIR`` is a save directory (its ``latest`` checkpoint, or ``--step``)
-or one ``step_*`` directory. Errors in the checkpoint print one line and exit
-with status 2.
+or one ``step_*`` directory. ``MODULE:FACTORY`` names a function that builds
+the model (``mypkg.models:build``; the current directory is importable):
+``--model`` writes its frozen parameters and buffers too, so that
+``model.load_state_dict(load_file(OUT))`` loads strictly.
+
+Every user error (a missing or damaged checkpoint, a bad option, an output
+that cannot be written, a factory that cannot be imported or fails) prints
+one line, ``zfunc: error: ...``, on stderr and exits with status 2, never a
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -23,14 +32,57 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
+class UsageError(Exception):
+    """A command line that cannot be run as given: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised (then printed in one line) instead of a usage block and exit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _step(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a step number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a step is >= 0, got {value}")
+    return value
+
+
+def build_model(spec: str, option: str) -> torch.nn.Module:
+    """The model ``MODULE:FACTORY`` builds (``FACTORY()``), or `UsageError` saying what went wrong."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{option} {spec!r}: expected MODULE:FACTORY, e.g. mypkg.models:build")
+    if os.getcwd() not in sys.path:  # `zfunc` is a script in bin/: let it import the user's package as -m does
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 (the user's module: any failure is reported in one line)
+        raise UsageError(f"{option} {spec}: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+    if not callable(factory):
+        raise UsageError(f"{option} {spec}: {module_name} has no function {attr!r}")
+    try:
+        model = factory()
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(f"{option} {spec}: {attr}() raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"{option} {spec}: {attr}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def _consolidate(args: argparse.Namespace) -> int:
     from zfunc.io import consolidate  # noqa: PLC0415 (keep `zfunc --help` light)
 
-    aliases = None
-    if args.aliases:
-        module, _, factory = args.aliases.partition(":")
-        aliases = getattr(importlib.import_module(module), factory)()
-    out = consolidate(args.ckpt_dir, args.out, DTYPES[args.dtype], step=args.step, aliases=aliases,
+    model = build_model(args.model, "--model") if args.model else None
+    aliases = "none" if args.no_aliases else build_model(args.aliases, "--aliases") if args.aliases else "recorded"
+    out = consolidate(args.ckpt_dir, args.out, DTYPES[args.dtype], step=args.step, aliases=aliases, model=model,
                       verify=not args.no_verify, progress=not args.quiet)
     if not args.quiet:
         print(f"wrote {out}")
@@ -47,6 +99,8 @@ def _info(args: argparse.Namespace) -> int:
           f"format {m['format_version']} (zfunc {m.get('zfunc_version')}, torch {m.get('torch_version')}), "
           f"created {m.get('created')}")
     print(f"  {len(m['params'])} parameters, {n:,} elements; weights: {m['weights']}")
+    if m.get("ties"):
+        print(f"  tied: {', '.join(f'{a} = {k}' for a, k in m['ties'])}")
     for path, dtypes in m["groups"].items():
         print(f"  {path}/*  ({', '.join(sorted(set(dtypes.values())))})")
     for path, leaf in m["leaves"].items():
@@ -57,14 +111,18 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from zfunc.io.format import read_manifest  # noqa: PLC0415
-    from zfunc.io.reader import check_files, locate, open_ranks  # noqa: PLC0415
+    from zfunc.io import locate, read_manifest  # noqa: PLC0415
+    from zfunc.io.reader import check_entries, check_files, open_ranks  # noqa: PLC0415
 
     step_dir = locate(args.ckpt_dir, args.step)
     m = read_manifest(step_dir)
     check_files(step_dir, m)
-    for f in open_ranks(step_dir, m, range(m["world_size"]), check=True).values():
-        f.close()
+    files = open_ranks(step_dir, m, range(m["world_size"]), check=True)
+    try:
+        check_entries(m, files, m["groups"], records=True)
+    finally:
+        for f in files.values():
+            f.close()
     parts = sum(len(f["parts"]) for f in m["files"])
     print(f"{step_dir}: {m['world_size']} ranks, {parts} files OK")
     return 0
@@ -78,25 +136,30 @@ def _prod(shape: Sequence[int]) -> int:
 
 
 def parser(prog: str = "zfunc") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="zfunc command-line tools")
+    p = _Parser(prog=prog, description="zfunc command-line tools")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("consolidate", help="write a checkpoint's full weights to one safetensors file")
     c.add_argument("ckpt_dir", help="save directory (uses its latest checkpoint) or one step_* directory")
-    c.add_argument("out", help="output .safetensors file")
+    c.add_argument("out", help="output .safetensors file (outside the checkpoint)")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the written weights")
-    c.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    c.add_argument("--aliases", metavar="MODULE:FACTORY",
-                   help="also write tied-weight aliases of the model FACTORY() builds (e.g. mypkg.models:build)")
+    c.add_argument("--step", type=_step, default=None, help="checkpoint step (default: latest)")
+    c.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="the model FACTORY() builds: also write its frozen parameters, buffers and tied names, "
+                        "so that model.load_state_dict(load_file(OUT)) loads strictly")
+    names = c.add_mutually_exclusive_group()
+    names.add_argument("--aliases", metavar="MODULE:FACTORY",
+                       help="write the tied-weight names of this model's (default: those the checkpoint recorded)")
+    names.add_argument("--no-aliases", action="store_true", help="write each tied weight under one name only")
     c.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of the rank files")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     c.set_defaults(run=_consolidate)
 
     for name, run, text in (("info", _info, "describe a checkpoint"),
-                            ("verify", _verify, "check every rank file of a checkpoint against its checksum")):
+                            ("verify", _verify, "check every file of a checkpoint against its checksum")):
         s = sub.add_parser(name, help=text)
         s.add_argument("ckpt_dir")
-        s.add_argument("--step", type=int, default=None)
+        s.add_argument("--step", type=_step, default=None)
         s.set_defaults(run=run)
 
     from zfunc import launch  # noqa: PLC0415 (standard library only)
@@ -108,14 +171,27 @@ def parser(prog: str = "zfunc") -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "zfunc") -> int:
-    args = parser(prog).parse_args(argv)
+    """Run the command; returns the exit status (0, or 2 after a one-line error on stderr)."""
     from zfunc.io import CheckpointError  # noqa: PLC0415
 
     try:
+        args = parser(prog).parse_args(argv)
         return args.run(args)
+    except UsageError as e:
+        return _fail(str(e), prog)
     except CheckpointError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e), prog)
+    except OSError as e:  # unreadable directories, a full disk: the path and the reason
+        return _fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}", prog)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _fail(message: str, prog: str) -> int:
+    text = "; ".join(line.strip() for line in message.splitlines() if line.strip())
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -20,7 +20,14 @@ rank saves its RNG states — torch CPU, CUDA (every device, if CUDA is in use),
 Python's `random` and NumPy's global generator — and its own
 ``client_state``: a JSON-able dict (str keys; tuples come back as lists)
 that may hold tensors (they come back on the CPU). Put the data position
-there: the checkpoint cannot know it.
+there: the checkpoint cannot know it. The tied weights ``state.ties``
+recorded (from `zf.functional`) are saved too, for `consolidate`.
+
+``dir`` must be on a filesystem every rank shares: each rank writes its own
+files there. Before anything is committed or deleted, every rank checks it
+sees the others' files; if not, every rank raises, saying so, and no older
+checkpoint is touched (ranks on node-local disks would otherwise each
+"save" and ``keep`` would delete every restorable checkpoint).
 
 **restore(dir, like, step=None, *, strict=True, verify=True, rng=True,
 group=None, progress=False) -> (state, client_state)**: ``like`` is a state
@@ -40,27 +47,36 @@ anything is written, everything is checked: parameter names and shapes (a
 mismatch lists the differences), the state's structure (a different
 optimizer or transform stack; ``strict=False`` restores what both hold, and
 then a master copy stands in for params and vice versa), every rank file's
-presence and size, headers, and (``verify``) each read file's SHA-256.
+presence, size, header and origin (the rank and part it was written as),
+this rank's RNG states and client tensors, and (``verify``) each read file's
+SHA-256.
 
 Exact resume: K steps, save, restore in fresh processes, M steps gives
 bitwise the parameters of K+M uninterrupted steps (same world size), when
 the caller restores before drawing any random numbers it wants replayed and
 resumes its data from client_state.
 
-**consolidate(dir, out, dtype=torch.float32, *, step=None, aliases=None,
-verify=True, progress=True)** writes the full weights (what ``step.gather``
-returns) keyed by parameter name to one safetensors file, one parameter in
-memory at a time; see `zfunc.io.export`. Also ``zfunc consolidate DIR
-OUT`` and ``python -m zfunc.io consolidate DIR OUT``.
+**consolidate(dir, out, dtype=torch.float32, *, step=None, aliases="recorded",
+model=None, verify=True, progress=True)** writes the full weights (what
+``step.gather`` returns) keyed by parameter name to one safetensors file, one
+parameter in memory at a time, with every tied alias the checkpoint recorded
+(``head.weight`` beside ``embed.weight``; ``aliases="none"`` leaves them out).
+A training state holds only trainable parameters: pass ``model=`` (the
+model trained) to also write its frozen parameters and buffers, so that
+``model.load_state_dict(load_file(out))`` loads strictly; without it, load
+with ``strict=False``. See `zfunc.io.export`. Also ``zfunc consolidate DIR
+OUT [--model MODULE:FACTORY]`` and ``python -m zfunc.io consolidate DIR OUT``.
 
-Layout on disk (format version 1)::
+Layout on disk (format version 2)::
 
-    dir/latest                         "step_000123\\n"
-    dir/step_000123/manifest.json      format, format_version, zfunc/torch versions, step, world_size,
+    dir/latest                         "step_000123 <SHA-256 of step_000123/manifest.json>\n"
+    dir/.zfunc.lock                    the lock a save holds (flock); left in place
+    dir/step_000123/manifest.json      format, format_version, zfunc/torch versions, created, step, world_size,
                                        stage (0 = unsharded), layout (units, keys, shapes), params (full
                                        shapes), weights (the group step.gather returns), groups (dtype per
-                                       key), leaves (dtype, shape), files: per rank {rank, parts: [{file,
-                                       bytes, sha256}], rng, client_state}
+                                       key), leaves (dtype, shape), ties ([alias, key] pairs), files: per rank
+                                       {rank, parts: [{file, bytes, sha256}], rng, client_state}
+    dir/step_000123/manifest.sha256    "<SHA-256 of manifest.json>  manifest.json" (sha256sum -c checks it)
     dir/step_000123/rank_00000.safetensors, rank_00000.p001.safetensors, ...
         rng/torch_cpu, rng/cuda/<i>, rng/python, rng/numpy, client/<i>
         step, opt_state/0/count, ...   replicated leaves (rank 0's files only)
@@ -68,19 +84,54 @@ Layout on disk (format version 1)::
                                        this rank's 1-D slice [a, b) of each parameter (whole tensors,
                                        in their shapes, in an unsharded save: rank 0's files only)
 
+Format 1 (no ``manifest.sha256``, no ``ties``, ``latest`` holding the name
+alone) is still read, with a warning that its manifest is not checksummed;
+saving again writes format 2.
+
 A rank's data is split into parts of about ``part_bytes`` (512 MiB; a larger
 tensor gets a part of its own) that are written, hashed and read by parallel
 threads. The SHA-256 of each file is computed while it is written and is what
 ``sha256sum`` prints.
 
+Integrity: every byte a restore trusts is checksummed, in a chain: ``latest``
+records the SHA-256 of the manifest it points at, ``manifest.sha256`` that
+of the manifest, and the manifest that of every rank file. A flipped bit
+anywhere is a `CheckpointError` naming the file (rank files: with
+``verify=True``, the default). The manifest is then validated field by field
+(types, ranges, cross-references), and the bytes its shapes describe must fit
+in the bytes its files hold, so no crafted size is allocated.
+
+Confinement: a checkpoint is read only from the files zfunc names inside its
+directory — each rank part has exactly one possible name, and symbolic links
+(a rank file, a manifest, a ``step_*`` directory, ``latest``) are refused
+before anything is read through them.
+
 Atomicity: ranks write into ``step_<n>.tmp-<token>/``; after all have
-written (and fsynced), rank 0 writes the manifest, renames the directory to
-``step_<n>/``, then replaces ``latest`` (temp file, fsync, rename) and only
-then deletes old checkpoints (``keep``) and debris of killed saves, each
-renamed out of sight before it is removed. A kill at any moment leaves
-``latest`` naming a complete checkpoint (or, in the instant a re-save of
-the same step swaps directories, `restore` falls back to the newest complete
-one). One writer per directory at a time.
+written (and fsynced) and checked they see each other's files, rank 0 writes
+the manifest and its checksum, renames the directory to ``step_<n>/``, then
+replaces ``latest`` (temp file, fsync, rename) and only then deletes old
+checkpoints (``keep``) and debris of killed saves, each renamed out of sight
+before it is removed. A kill at any moment leaves ``latest`` naming a
+complete checkpoint (or, in the instant a re-save of the same step swaps
+directories, the parked copy whose manifest checksum ``latest`` records).
+One save per directory at a time: rank 0 holds an advisory lock
+(``fcntl.flock`` on ``dir/.zfunc.lock``) for the whole save, a second save
+raises saying another save is writing there, and the kernel releases the
+lock of a killed process.
+
+Ownership: zfunc deletes or replaces only what it provably wrote. A
+``latest`` that is not in zfunc's format, or a ``step_<n>`` directory in the
+way that is not a checkpoint zfunc wrote (its manifest fails its checksum or
+validation, or it holds other files, or it is a link), stops a save before
+it writes anything; ``keep`` and the debris cleanup leave such directories
+alone, with a warning.
+
+Ranks: every exchange between ranks goes through `zfunc.dist` (JSON, never
+pickled) and names the call and phase it belongs to. A rank that never calls
+(``if rank == 0: save(...)``) makes the others raise
+`zfunc.dist.CollectiveError` after ``$ZFUNC_TIMEOUT_S`` seconds (300 by
+default; phases that move data add time for 16 MiB/s), saying that every
+rank must call it; ranks in different calls all raise `CheckpointError`.
 
 Nothing is unpickled: the rank files are plain safetensors (read here with
 ``readinto`` straight into the target tensors; ``safetensors.safe_open`` reads
@@ -91,7 +142,8 @@ directory that is not a checkpoint — raises `CheckpointError` (a
 """
 
 from zfunc.io.export import consolidate
-from zfunc.io.format import FORMAT_VERSION, CheckpointError, read_manifest
+from zfunc.io.format import FORMAT_VERSION, CheckpointError
+from zfunc.io.manifest import read_manifest
 from zfunc.io.reader import list_checkpoints, locate, restore
 from zfunc.io.writer import save
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -178,19 +178,49 @@ def capture_rng() -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
     return info, tensors
 
 
-def apply_rng(info: dict[str, Any], read) -> list[str]:
-    """Set this process's RNGs from `capture_rng`'s output; returns warnings (what could not be set)."""
-    notes = []
-    torch.set_rng_state(read("rng/torch_cpu"))
+class SavedRng(NamedTuple):
+    """A rank's generator states, read and checked, ready to be set (`apply_rng`)."""
+
+    torch_cpu: torch.Tensor
+    cuda: list[torch.Tensor]
+    python: tuple
+    numpy: tuple
+
+
+def read_rng(info: dict[str, Any], read) -> SavedRng:
+    """The generator states `capture_rng` saved, checked (dtype, size, range): `CheckpointError` if damaged."""
+    cpu = _rng_tensor(read, "rng/torch_cpu", torch.uint8, tuple(torch.get_rng_state().shape))
+    python = _rng_tensor(read, "rng/python", torch.int64, (625,))
+    numpy = _rng_tensor(read, "rng/numpy", torch.int64, (624,))
+    if not (0 <= int(python[:624].min()) and int(python[:624].max()) < 1 << 32 and 0 <= int(python[624]) <= 624):
+        raise CheckpointError("rng/python: not a state of Python's generator (words out of range)")
+    if not (0 <= int(numpy.min()) and int(numpy.max()) < 1 << 32):
+        raise CheckpointError("rng/numpy: not a state of NumPy's generator (words out of range)")
     cuda = [read(f"rng/cuda/{i}") for i in range(info["cuda_devices"])]
-    if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            notes.append(f"the checkpoint holds CUDA RNG states of {len(cuda)} devices, this process sees "
-                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
     version, gauss = info["python"]
-    random.setstate((version, tuple(read("rng/python").tolist()), gauss))
     kind, pos, has_gauss, cached = info["numpy"]
-    np.random.set_state((kind, read("rng/numpy").numpy().astype(np.uint32), pos, has_gauss, cached))
+    return SavedRng(cpu, cuda, (version, tuple(python.tolist()), gauss),
+                    (kind, numpy.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def apply_rng(saved: SavedRng) -> list[str]:
+    """Set this process's RNGs; returns warnings (what could not be set)."""
+    notes = []
+    torch.set_rng_state(saved.torch_cpu)
+    if saved.cuda:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(saved.cuda):
+            torch.cuda.set_rng_state_all(saved.cuda)
+        else:
+            notes.append(f"the checkpoint holds CUDA RNG states of {len(saved.cuda)} devices, this process sees "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}: CUDA RNG not restored")
+    random.setstate(saved.python)
+    np.random.set_state(saved.numpy)
     return notes
+
+
+def _rng_tensor(read, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    t = read(name)
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise CheckpointError(f"{name}: {t.dtype} of shape {list(t.shape)}, not the {dtype} of shape {list(shape)} "
+                              "a generator state is")
+    return t

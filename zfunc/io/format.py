@@ -15,10 +15,12 @@ tensor's memory (``readinto``), so nothing is ever unpickled.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import hashlib
 import json
 import math
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterable
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 FORMAT = "zfunc-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.sha256, ties, latest records the manifest's digest
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CHUNK = 64 << 20          # bytes per write/read/hash piece of a large tensor
@@ -37,6 +39,10 @@ MAX_HEADER = 256 << 20    # a header larger than this is corruption, not a model
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or read: the message names the file and what is wrong."""
+
+
+class MissingFile(CheckpointError):
+    """A file a checkpoint should hold is not there."""
 
 
 DTYPES: dict[torch.dtype, str] = {
@@ -165,6 +171,37 @@ def write_safetensors(path: Path, specs: list[tuple[str, torch.dtype, list[int]]
 # Reading
 
 
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file and not a symbolic link.
+
+    A checkpoint is read only from what zfunc wrote inside its directory: a
+    symbolic link there (to another run's files, or anywhere else) is refused
+    by the kernel (``O_NOFOLLOW``) before anything is read through it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingFile(f"{path}: file is missing") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: is a symbolic link; zfunc reads only the files it wrote inside a "
+                                  "checkpoint, never through links") from None
+        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """The whole of a small file (a manifest, its checksum, ``latest``), refused past ``limit`` bytes."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path}: more than the {limit} bytes a zfunc {path.name} can have")
+    return data
+
+
 class Entry:
     """One tensor of a safetensors file: dtype, shape and absolute byte range."""
 
@@ -190,12 +227,7 @@ class TensorFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        try:
-            self.file = open(self.path, "rb", buffering=0)  # noqa: SIM115 (closed in close())
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: file is missing") from None
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
+        self.file = os.fdopen(open_regular(self.path), "rb", buffering=0)
         try:
             self.size = os.fstat(self.file.fileno()).st_size
             self.metadata, self.entries = self._read_header()
@@ -220,6 +252,8 @@ class TensorFile:
         if not isinstance(header, dict):
             raise self._fail("corrupt safetensors header (not a JSON object)")
         metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise self._fail("corrupt safetensors header (__metadata__ is not a JSON object)")
         base, entries, end = 8 + n, {}, 8 + n
         for name, info in header.items():
             try:
@@ -229,7 +263,7 @@ class TensorFile:
             except (KeyError, TypeError, ValueError):
                 raise self._fail(f"corrupt safetensors header entry {name!r}: {info!r}") from None
             entry = Entry(name, dtype, shape, base + a, base + b)
-            if b < a or entry.numel * dtype.itemsize != b - a:
+            if a < 0 or b < a or min(shape, default=0) < 0 or entry.numel * dtype.itemsize != b - a:
                 raise self._fail(f"corrupt safetensors header: {name!r} has {b - a} bytes for shape {list(shape)} "
                                  f"of {dtype}")
             entries[name] = entry
@@ -339,11 +373,16 @@ class RankFiles:
         self.digests: list[str] = []
         self.index: dict[str, TensorFile] = {}
         try:
-            for part in info["parts"]:
+            for index, part in enumerate(info["parts"]):
                 path = Path(step_dir) / part["file"]
                 check_size(path, part["bytes"], self.rank)
                 f = TensorFile(path)
                 self.parts.append(f)
+                written_as = (f.metadata.get("rank"), f.metadata.get("part"))
+                if written_as != (str(self.rank), str(index)):
+                    raise CheckpointError(f"{path}: written as part {written_as[1]} of rank {written_as[0]}, but "
+                                          f"the manifest lists it as part {index} of rank {self.rank}: files were "
+                                          "swapped or copied between checkpoints")
                 self.digests.append(part["sha256"])
                 for name in f.entries:
                     self.index[name] = f
@@ -370,10 +409,18 @@ class RankFiles:
 
 
 def check_size(path: Path, expected: int, rank: int) -> None:
+    """``path`` is a regular file (not a link) of ``expected`` bytes; a stat, nothing is opened."""
     try:
-        size = path.stat().st_size
+        info = path.lstat()
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: rank {rank}'s file is missing; the checkpoint is incomplete") from None
+        raise CheckpointError(f"{path}: rank {rank}'s file is missing; the checkpoint is incomplete (if every "
+                              "rank saved, the ranks may not share this filesystem)") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise CheckpointError(f"{path}: is a symbolic link; zfunc reads only the files it wrote inside a "
+                              "checkpoint, never through links")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path}: not a regular file")
+    size = info.st_size
     if size != expected:
         raise CheckpointError(f"{path}: {'truncated' if size < expected else 'corrupt'}: {size} bytes, the manifest "
                               f"says {expected}")
@@ -418,43 +465,6 @@ def write_text_atomic(path: Path, text: str, token: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-
-
-def read_manifest(step_dir: Path) -> dict[str, Any]:
-    """The validated manifest of one checkpoint directory."""
-    path = Path(step_dir) / MANIFEST
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing; {step_dir} is not a complete zfunc checkpoint") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from None
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupt (not JSON: {e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a zfunc checkpoint manifest (format is "
-                              f"{manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                              f"expected {FORMAT!r})")
-    version = manifest.get("format_version")
-    if not isinstance(version, int):
-        raise CheckpointError(f"{path}: corrupt (format_version is {version!r})")
-    if version > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: written in checkpoint format version {version} by zfunc {manifest.get('zfunc_version')}, "
-            f"newer than this zfunc reads (up to version {FORMAT_VERSION}); upgrade zfunc to read it")
-    missing = [k for k in ("step", "world_size", "stage", "params", "groups", "leaves", "files", "weights")
-               if k not in manifest]
-    if missing:
-        raise CheckpointError(f"{path}: corrupt (missing fields: {', '.join(missing)})")
-    files = manifest["files"]
-    if not isinstance(files, list) or len(files) != manifest["world_size"] or not all(
-            isinstance(f, dict) and f.get("rank") == r and isinstance(f.get("parts"), list) and f["parts"]
-            for r, f in enumerate(files)):
-        raise CheckpointError(f"{path}: corrupt (its list of rank files does not match world size "
-                              f"{manifest['world_size']})")
-    return manifest
 
 
 class progress_bar:  # noqa: N801 (used as a context manager)

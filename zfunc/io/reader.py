@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import math
 import os
 import warnings
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 import torch
 
 from zfunc import dist
+from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
     apply_rng,
@@ -18,6 +21,7 @@ from zfunc.io.entries import (
     escape,
     global_shapes,
     layout_of,
+    read_rng,
     walk,
     weights_path,
 )
@@ -27,11 +31,14 @@ from zfunc.io.format import (
     CheckpointError,
     RankFiles,
     check_size,
+    dtype_name,
     progress_bar,
-    read_manifest,
+    read_small,
     verify_checksums,
 )
-from zfunc.io.writer import STEP_DIR, all_gather, raise_if_failed, step_name
+from zfunc.io.manifest import MAX_MANIFEST, read_latest, read_manifest, recorded_digest
+from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
+from zfunc.io.writer import step_name
 from zfunc.state import TrainState
 from zfunc.transforms.shard_layout import ShardLayout
 from zfunc.tree import describe_mismatch
@@ -44,27 +51,39 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
 
     ``like`` is the state the target step's ``.init`` made (any world size,
     stage and placement); its tensors are overwritten with ``copy_`` and it
-    is returned. See `zfunc.io` for the options and the guarantees.
+    is returned. See `zfunc.io` for the options and the guarantees. Call it
+    on every rank of ``group``: a rank that never does makes the others
+    raise `zfunc.dist.CollectiveError` after ``$ZFUNC_TIMEOUT_S`` seconds.
     """
     if not isinstance(like, TrainState):
         raise TypeError(f"restore(like=...) takes a zf.TrainState made by step.init(...), got {type(like).__name__}")
     g = dist.Group.resolve(group)
     layout = layout_of(like)
-    if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
-        raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, but "
-                              f"this process is rank {g.rank} of {g.size}; build it with this world's step.init")
+    step_dir = error = None
+    try:
+        if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+            raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, "
+                                  f"but this process is rank {g.rank} of {g.size}; build it with this world's "
+                                  "step.init")
+        step_dir = locate(directory, step)
+    except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
+        error = _describe(e, g)
+    views = exchange("restore", "locate", [str(step_dir) if step_dir else None, error], g)
+    found = [r for r, v in enumerate(views) if v[0]]
+    raise_if_failed("restore", [v[1] for v in views], g.rank, hint=(
+        f"\n(rank(s) {found} found the checkpoint: if the others saw no such directory, do all ranks see the same "
+        "filesystem?)" if found else ""))
+    if len({v[0] for v in views}) != 1:
+        raise CheckpointError("restore: ranks resolved different checkpoints ("
+                              + ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views))
+                              + "); was a save running? pass step= to pick one")
     reader = error = None
     try:
-        reader = _Reader(locate(directory, step), like, layout, g, strict, verify)
-    except CheckpointError as e:
-        error = str(e)
-    views = all_gather((str(reader.dir) if reader else None, error), g)
+        reader = _Reader(step_dir, like, layout, g, strict, verify)
+    except Exception as e:  # noqa: BLE001 (as above)
+        error = _describe(e, g)
     try:
-        raise_if_failed("restore", [v[1] for v in views], g.rank)
-        if len({v[0] for v in views}) != 1:
-            raise CheckpointError("restore: ranks resolved different checkpoints ("
-                                  + ", ".join(f"rank {r}: {v[0]}" for r, v in enumerate(views))
-                                  + "); was a save running? pass step= to pick one")
+        raise_if_failed("restore", exchange("restore", "check", error, g, io_seconds(_bytes_in(step_dir))), g.rank)
         client_state = reader.load(rng, g.size, progress)
     finally:
         if reader is not None:
@@ -72,51 +91,116 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     return like, client_state
 
 
+def _describe(e: Exception, g: dist.Group) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"restore: rank {g.rank}: {type(e).__name__}: {e}"
+
+
+def _bytes_in(step_dir: Path) -> int:
+    """What a rank may read and hash of a checkpoint: the size of its files (bounds how long others wait)."""
+    try:
+        with os.scandir(step_dir) as entries:
+            return sum(e.stat(follow_symlinks=False).st_size for e in entries if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+
+
 # --------------------------------------------------------------------------
 # Which directory
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """The complete checkpoints (those with a manifest) under ``directory``, as ``(step, path)``, oldest first."""
+    """The complete checkpoints (those with a manifest) under ``directory``, as ``(step, path)``, oldest first.
+
+    Symbolic links are not checkpoints: zfunc reads only what it wrote inside ``directory``.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in directory.iterdir()
-                  if (m := STEP_DIR.fullmatch(p.name)) and (p / MANIFEST).is_file())
+                  if (m := STEP_DIR.fullmatch(p.name)) and not p.is_symlink() and (p / MANIFEST).is_file())
 
 
 def locate(directory: str | os.PathLike, step: int | None = None) -> Path:
-    """The checkpoint directory to read: ``directory`` itself, its ``step_<step>``, or what ``latest`` names."""
+    """The checkpoint directory to read: ``directory`` itself, its ``step_<step>``, or what ``latest`` names.
+
+    ``latest`` records the name and the manifest checksum of the checkpoint
+    it points at; when the two disagree (a damaged ``latest``, or a save
+    killed while it swapped a re-saved step) the checkpoint whose manifest
+    matches the checksum is used, and failing that, if the named one is
+    missing, the newest complete one (with a warning).
+    """
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a zfunc checkpoint directory (it does not exist or is not a directory)")
-    if (d / MANIFEST).exists():
+    if os.path.lexists(d / MANIFEST):
         return d
     if STEP_DIR.fullmatch(d.name) or ".tmp-" in d.name:
         raise CheckpointError(f"{d}: incomplete checkpoint (no {MANIFEST}); was its save interrupted?")
     done = list_checkpoints(d)
     if step is not None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
         found = [p for s, p in done if s == step]
         if not found:
+            if (d / step_name(step)).is_symlink():
+                raise CheckpointError(f"{d / step_name(step)}: is a symbolic link; zfunc reads only the "
+                                      "checkpoints it wrote inside the directory, never through links")
             have = ", ".join(str(s) for s, _ in done) or "none"
             raise CheckpointError(f"{d}: no complete checkpoint of step {step} (there is no {step_name(step)}/"
                                   f"{MANIFEST}); steps present: {have}")
         return found[0]
-    latest = d / LATEST
-    if latest.is_file():
-        name = latest.read_text(encoding="utf-8", errors="replace").strip()
-        if STEP_DIR.fullmatch(name) and (d / name / MANIFEST).is_file():
-            return d / name
+    parked = [(int(m.group(1)), p) for p in d.iterdir()
+              if (m := PARKED.fullmatch(p.name)) and not p.is_symlink() and (p / MANIFEST).is_file()]
+    latest = read_latest(d)
+    if latest is not None:
+        chosen = _follow_latest(d, *latest, done + parked)
+        if chosen is not None:
+            return chosen
     # `latest` is missing or names an incomplete checkpoint (a save killed between its two renames):
     # the newest complete one, including a checkpoint parked aside while the same step was re-saved.
-    parked = [(int(p.name[5:p.name.index(".")]), p) for p in d.glob("step_*.old-*") if (p / MANIFEST).is_file()]
     candidates = sorted(done + parked, key=lambda sp: (sp[0], ".old-" not in sp[1].name))
     if not candidates:
         raise CheckpointError(f"{d}: not a zfunc checkpoint directory (no '{LATEST}' file, no complete "
                               f"step_*/{MANIFEST})")
-    if latest.is_file():
-        warnings.warn(f"{latest} names a missing or incomplete checkpoint; using {candidates[-1][1]}", stacklevel=3)
+    if latest is not None:
+        warnings.warn(f"{d / LATEST} names a missing or incomplete checkpoint; using {candidates[-1][1]}",
+                      stacklevel=3)
     return candidates[-1][1]
+
+
+def _follow_latest(d: Path, name: str, digest: str | None, complete: list[tuple[int, Path]]) -> Path | None:
+    """The checkpoint ``latest`` (``name``, ``digest``) designates; None if it names none that is complete."""
+    target = d / name
+    if target.is_symlink():
+        raise CheckpointError(f"{d / LATEST}: names {name}, which is a symbolic link; zfunc reads only the "
+                              "checkpoints it wrote inside the directory, never through links")
+    exists = (target / MANIFEST).is_file()
+    if digest is None:  # format 1: the name alone
+        return target if exists else None
+    actual = _digest(target) if exists else None
+    if actual == digest:
+        return target
+    for _, p in complete:  # a re-save swapped out, or a damaged name
+        if p != target and _digest(p) == digest:
+            return p
+    if not exists:
+        return None
+    try:
+        recorded = recorded_digest(target)
+    except CheckpointError:
+        recorded = None
+    if actual is None or recorded != actual:
+        return target  # its manifest is damaged itself: reading it says so, naming the file
+    raise CheckpointError(f"{d / LATEST}: records manifest checksum {digest} for {name}, but its manifest has "
+                          f"another, and no checkpoint here has this one: '{LATEST}' is damaged or {name} was "
+                          "replaced after it was saved. Pass step= (or the step directory) to choose explicitly")
+
+
+def _digest(step_dir: Path) -> str | None:
+    try:
+        return hashlib.sha256(read_small(step_dir / MANIFEST, MAX_MANIFEST)).hexdigest()
+    except CheckpointError:
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -130,6 +214,9 @@ class _Reader:
                  strict: bool, verify: bool) -> None:
         self.dir, self.like, self.rank = step_dir, like, group.rank
         self.manifest = read_manifest(step_dir)
+        if self.manifest["format_version"] == 1:
+            warnings.warn(f"restore from {step_dir}: a format-1 checkpoint: its manifest has no checksum, so damage "
+                          "to it cannot be detected; save it again to upgrade it", stacklevel=4)
         self.same_world = self.manifest["world_size"] == group.size
         self.files: dict[int, RankFiles] = {}
         try:
@@ -215,6 +302,14 @@ class _Reader:
             if entry.numel != size:
                 raise CheckpointError(f"{self.files[s].file_of(name).path}: {name!r} holds {entry.numel} elements, "
                                       f"the manifest's layout says {size}")
+        # Read and check this rank's own small records now, so that damage there is found before any write.
+        own = self.files[self._own_rank()]
+        info = m["files"][self._own_rank()]
+        try:
+            self.rng = read_rng(info["rng"], own.read) if self.same_world else None
+        except CheckpointError as e:
+            raise CheckpointError(f"{own.parts[0].path}: rank {own.rank}'s generator state is damaged: {e}") from None
+        self.client_state = decode_client_state(info["client_state"], own.read)
 
     def _own_rank(self) -> int:
         return self.rank if self.same_world and self.rank < self.manifest["world_size"] else 0
@@ -239,17 +334,15 @@ class _Reader:
         with torch.no_grad():
             for t, staging in self.finish:
                 t.copy_(staging.view(t.shape))
-        own = self.files[self._own_rank()]
-        info = self.manifest["files"][self._own_rank()]
         if rng:
-            if self.same_world:
-                for note in apply_rng(info["rng"], own.read):
+            if self.rng is not None:
+                for note in apply_rng(self.rng):
                     warnings.warn(f"restore from {self.dir}: {note}", stacklevel=3)
             else:
                 warnings.warn(f"restore from {self.dir}: saved on {self.manifest['world_size']} ranks, restored on "
                               f"{world}: RNG states not restored (there is no exact resume across world sizes)",
                               stacklevel=3)
-        return decode_client_state(info.get("client_state"), own.read)
+        return self.client_state
 
     def close(self) -> None:
         for f in self.files.values():
@@ -276,3 +369,37 @@ def open_ranks(step_dir: Path, manifest: dict, ranks, check: bool) -> dict[int, 
             f.close()
         raise
     return files
+
+
+def check_entries(manifest: dict, files: dict[int, RankFiles], groups, records: bool = False) -> None:
+    """Every tensor the manifest promises for ``groups`` is in the opened ``files`` with the element count and
+    dtype it says (and, with ``records``, rank 0 holds every leaf and each rank's generator states and
+    client tensors read back): what `zfunc verify` checks beyond the checksums."""
+    shapes = {k: tuple(s) for k, s in manifest["params"].items()}
+    layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
+    spans = Spans(layout, shapes)
+    for path in groups:
+        for key, dtype in manifest["groups"][path].items():
+            name = f"{path}/{escape(key)}"
+            for s, f in files.items():
+                a, b = spans.span(key, s)
+                if b > a:
+                    _expect(f, name, b - a, dtype)
+    if not records:
+        return
+    for path, leaf in manifest["leaves"].items():
+        _expect(files[0], path, math.prod(leaf["shape"]), leaf["dtype"])
+    for s, f in files.items():
+        info = manifest["files"][s]
+        try:
+            read_rng(info["rng"], f.read)
+        except CheckpointError as e:
+            raise CheckpointError(f"{f.parts[0].path}: rank {s}'s generator state is damaged: {e}") from None
+        decode_client_state(info["client_state"], f.read)
+
+
+def _expect(files: RankFiles, name: str, numel: int, dtype: str) -> None:
+    entry = files.entry(name)
+    if entry.numel != numel or dtype_name(entry.dtype) != dtype:
+        raise CheckpointError(f"{files.file_of(name).path}: {name!r} holds {entry.numel} elements of "
+                              f"{dtype_name(entry.dtype)}; the manifest says {numel} of {dtype}")

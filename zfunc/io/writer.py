@@ -6,16 +6,17 @@ import concurrent.futures
 import datetime
 import json
 import os
-import re
 import secrets
 import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import zfunc
 from zfunc import dist
+from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
     Spans,
     capture_rng,
@@ -29,45 +30,36 @@ from zfunc.io.entries import (
 from zfunc.io.format import (
     FORMAT,
     FORMAT_VERSION,
-    LATEST,
-    MANIFEST,
     CheckpointError,
     dtype_name,
-    fsync_dir,
     progress_bar,
     write_safetensors,
-    write_text_atomic,
 )
+from zfunc.io.manifest import rank_file
+from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.state import TrainState
+from zfunc.transforms.shard_layout import ShardLayout
 
-STEP_DIR = re.compile(r"step_(\d+)")
 PART_BYTES = 512 << 20  # bytes per rank file before a new part starts
-STALE = re.compile(r"step_\d+\.(tmp|del|old)-[0-9a-f]+|latest\.tmp-[0-9a-f]+")
+SHOW_PATIENCE = 1.0     # seconds a shared filesystem may take to show one node the files another wrote
 
 
 def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def rank_file(rank: int, part: int = 0) -> str:
-    return f"rank_{rank:05d}.safetensors" if part == 0 else f"rank_{rank:05d}.p{part:03d}.safetensors"
+class _Plan(NamedTuple):
+    """What this rank will write: checked, before any rank writes anything."""
 
+    step: int
+    layout: ShardLayout | None
+    tensors: list[tuple[str, torch.Tensor]]
+    rng: dict
+    client_state: Any
 
-def all_gather(obj: Any, group: dist.Group) -> list[Any]:
-    """``obj`` (JSON-able) of every rank of ``group``: through `zfunc.dist`, as JSON, never pickled."""
-    return dist.all_gather_json(obj, group)
-
-
-def raise_if_failed(what: str, errors: list[Any], rank: int) -> None:
-    """Raise the same `CheckpointError` on every rank if any rank reported an error."""
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if not failed:
-        return
-    own = errors[rank]
-    if own and len(failed) == 1:
-        raise CheckpointError(own)
-    lines = "\n".join(f"  rank {r}: {e}" for r, e in failed)
-    raise CheckpointError(f"{what} failed on {len(failed)} of {len(errors)} ranks:\n{lines}")
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
 
 def save(directory: str | os.PathLike, state: TrainState, client_state: dict | None = None,
@@ -77,11 +69,16 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
 
     See `zfunc.io` for the format and the guarantees. ``client_state`` is
     this rank's JSON-able dict (tensors allowed), returned by `restore`;
-    ``keep=k`` deletes all but the newest ``k`` checkpoints (by step; the one
-    just written always stays). ``group``: the process group the state is
-    sharded over (default: the world). A rank's data is split into files of
-    about ``part_bytes`` (a larger tensor gets a file of its own), written,
-    hashed and later read in parallel threads.
+    ``keep=k`` deletes all but the newest ``k`` of the checkpoints zfunc
+    wrote there (by step; the one just written always stays). ``group``: the
+    process group the state is sharded over (default: the world). A rank's
+    data is split into files of about ``part_bytes`` (a larger tensor gets a
+    file of its own), written, hashed and later read in parallel threads.
+
+    Raises `CheckpointError` (on every rank alike) when the state cannot be
+    saved, another save holds the directory, something there was not written
+    by zfunc, or the ranks do not share the directory's filesystem; and
+    `zfunc.dist.CollectiveError` when some rank never calls `save`.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes a zf.TrainState, got {type(state).__name__}")
@@ -89,50 +86,138 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     directory = Path(directory)
     g = dist.Group.resolve(group)
-    step = error = None
+    plan = error = None
     try:
-        step = _step_of(state)
-        layout = layout_of(state)
-        if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
-            raise CheckpointError(f"save: the state is sharded for rank {layout.rank} of {layout.world_size}, but "
-                                  f"this process is rank {g.rank} of {g.size}")
-        client_json, client_tensors = encode_client_state(client_state)
-        json.dumps(client_json)
-    except (CheckpointError, TypeError, ValueError) as e:
-        error = f"save: {e}"
-    views = all_gather((step, secrets.token_hex(6), error), g)
-    raise_if_failed("save", [v[2] for v in views], g.rank)
+        plan = _plan(state, client_state, g)
+    except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
+        error = f"save: {e}" if isinstance(e, (CheckpointError, TypeError, ValueError)) else \
+            f"save: rank {g.rank}: {type(e).__name__}: {e}"
+    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0], g)
+    raise_if_failed("save", [v[1] for v in views], g.rank)
     steps = [v[0] for v in views]
     if len(set(steps)) != 1:
         listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
         raise CheckpointError(f"save: ranks disagree on state.step ({listed}); every rank must save the same step")
-    token, name = views[0][1], step_name(step)
-    tmp = directory / f"{name}.tmp-{token}"
+    name, nbytes = step_name(plan.step), sum(v[2] for v in views)
+    lock, token = _lock(directory, name, g)
+    try:
+        tmp = directory / f"{name}.tmp-{token}"
+        try:
+            infos = _write(tmp, plan, g, progress, part_bytes, nbytes)
+            _check_shared(directory, tmp, infos, g)
+            outcome = None
+            if g.rank == 0:
+                try:
+                    commit(directory, tmp, name, _manifest(state, plan, g.size, infos), keep, token)
+                except Exception as e:  # noqa: BLE001 (every rank raises it below)
+                    outcome = f"save: could not commit {directory / name}: {type(e).__name__}: {e}"
+            outcome = exchange("save", "commit", outcome, g, io_seconds(nbytes))[0]
+            if outcome:
+                raise CheckpointError(outcome)
+        except BaseException:
+            _discard(tmp)
+            raise
+    finally:
+        if lock is not None:
+            lock.release()
+    return directory / name
 
-    info, error = None, None
+
+def _lock(directory: Path, name: str, g: dist.Group) -> tuple[SaveLock | None, str]:
+    """Rank 0 locks the directory and checks nothing foreign is in the way; returns ``(its lock, this save's
+    token)`` on every rank, or raises rank 0's `CheckpointError` on every rank."""
+    lock = token = error = None
+    if g.rank == 0:
+        token = secrets.token_hex(6)
+        try:
+            lock = prepare(directory, name)
+        except Exception as e:  # noqa: BLE001 (reported to every rank below)
+            error = str(e) if isinstance(e, CheckpointError) else f"save: {type(e).__name__}: {e}"
+    try:
+        token, error = exchange("save", "lock", [token, error], g)[0]
+        if error:
+            raise CheckpointError(error)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, token
+
+
+def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
+    step = _step_of(state)
+    layout = layout_of(state)
+    if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+        raise CheckpointError(f"the state is sharded for rank {layout.rank} of {layout.world_size}, but this "
+                              f"process is rank {g.rank} of {g.size}")
+    for alias, key in state.ties:
+        if key not in state.params or alias in state.params:
+            raise CheckpointError(f"state.ties has {alias!r} -> {key!r}: a tie names a parameter ({key!r} must be "
+                                  "one) by another name (which must not be one)")
+    client_json, client_tensors = encode_client_state(client_state)
+    json.dumps(client_json)
+    rng, rng_tensors = capture_rng()
+    return _Plan(step, layout, _tensors(state, layout, g.rank) + rng_tensors + client_tensors, rng, client_json)
+
+
+def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: int, nbytes: int) -> list[dict]:
+    """Every rank writes its files into ``tmp``; returns every rank's entry of the manifest's ``files``."""
+    info = error = None
     try:
         tmp.mkdir(parents=True, exist_ok=True)
-        info = _write_rank(tmp, state, layout, g.rank, client_tensors, progress, part_bytes)
-        info["client_state"] = client_json
+        info = _write_rank(tmp, plan.tensors, g.rank, progress, part_bytes)
+        info.update(rng=plan.rng, client_state=plan.client_state)
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
         error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
-    results = all_gather((info, error), g)
-    errors = [r[1] for r in results]
-    outcome = None
-    if g.rank == 0:
-        try:
-            if any(errors):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                manifest = _manifest(state, layout, step, g.size, [r[0] for r in results])
-                _commit(directory, tmp, name, manifest, keep, token)
-        except Exception as e:  # noqa: BLE001 (every rank raises it below)
-            outcome = f"save: could not commit {directory / name}: {type(e).__name__}: {e}"
-    raise_if_failed("save", errors, g.rank)
-    outcome = all_gather(outcome, g)[0]
-    if outcome:
-        raise CheckpointError(outcome)
-    return directory / name
+    results = exchange("save", "write", [info, error], g, io_seconds(nbytes))
+    raise_if_failed("save", [r[1] for r in results], g.rank)
+    return [r[0] for r in results]
+
+
+def _check_shared(directory: Path, tmp: Path, infos: list[dict], g: dist.Group) -> None:
+    """Every rank sees the files the others wrote (rank 0 all of them, the others rank 0's), before anything
+    is committed or deleted: ranks on separate disks would each "save" and `keep` would delete every
+    restorable checkpoint."""
+    if g.size == 1:
+        return
+    ranks = range(g.size) if g.rank == 0 else [0]
+    expected = {f"rank {r}'s {p['file']}": (tmp / p["file"], p["bytes"]) for r in ranks if r != g.rank
+                for p in infos[r]["parts"]}
+    unseen = _unseen(expected)
+    report = f"rank {g.rank} does not see {', '.join(unseen[:3])}{' ...' if len(unseen) > 3 else ''}" \
+        if unseen else None
+    failed = [e for e in exchange("save", "shared", report, g, SHOW_PATIENCE) if e]
+    if failed:
+        raise CheckpointError(
+            f"save: the ranks do not share {directory}: {'; '.join(failed[:4])} in {tmp.name}. Every rank writes "
+            "its own files into the same directory, so it must be on a filesystem all ranks share (NFS, Lustre, "
+            "GPFS...), not a disk local to each node. Nothing was committed and no checkpoint was deleted.")
+
+
+def _unseen(expected: dict[str, tuple[Path, int]], patience: float = SHOW_PATIENCE) -> list[str]:
+    """Which of ``expected`` (label: (path, size)) are not there with their size, allowing a shared
+    filesystem ``patience`` seconds to show files another node wrote."""
+    deadline = time.monotonic() + patience
+    while True:
+        unseen = [label for label, (path, size) in expected.items() if not _has_size(path, size)]
+        if not unseen or time.monotonic() > deadline:
+            return unseen
+        time.sleep(0.05)
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a failed save's temporary directory (its name has this save's token: it is ours)."""
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass  # the next save removes it as debris
 
 
 def _step_of(state: TrainState) -> int:
@@ -146,14 +231,11 @@ def _step_of(state: TrainState) -> int:
     return step
 
 
-def _write_rank(tmp: Path, state: TrainState, layout, rank: int, client_tensors, progress: bool,
-                part_bytes: int) -> dict:
+def _tensors(state: TrainState, layout, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """What of ``state`` this rank writes: replicated leaves (rank 0) and its slices of param-shaped groups."""
     groups, leaves = walk(state)
     spans = Spans(layout, global_shapes(state, layout))
-    rng, rng_tensors = capture_rng()
-    tensors: list[tuple[str, torch.Tensor]] = rng_tensors + client_tensors
-    if rank == 0:
-        tensors += list(leaves.items())
+    tensors: list[tuple[str, torch.Tensor]] = list(leaves.items()) if rank == 0 else []
     if layout is not None or rank == 0:  # a plain state is the same on every rank: rank 0 writes it
         for path, group in groups.items():
             for key, t in group.items():
@@ -164,6 +246,11 @@ def _write_rank(tmp: Path, state: TrainState, layout, rank: int, client_tensors,
                 spans.local(key, rank, t, f"save {path}")  # checks t is the whole parameter or this slice
                 flat = t.detach().reshape(-1)  # stage 1/2 params are whole on every rank: save our slice
                 tensors.append((f"{path}/{escape(key)}", flat[a:b] if flat.numel() != b - a else flat))
+    return tensors
+
+
+def _write_rank(tmp: Path, tensors: list[tuple[str, torch.Tensor]], rank: int, progress: bool,
+                part_bytes: int) -> dict:
     parts: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
     for name, t in tensors:
@@ -185,12 +272,12 @@ def _write_rank(tmp: Path, state: TrainState, layout, rank: int, client_tensors,
     with progress_bar(progress, total, f"save rank {rank}") as bar, concurrent.futures.ThreadPoolExecutor(
             min(len(parts), os.cpu_count() or 1), thread_name_prefix="zfunc-io-write") as pool:
         written = list(pool.map(write, range(len(parts))))
-    return {"rank": rank, "parts": written, "rng": rng}
+    return {"rank": rank, "parts": written}
 
 
-def _manifest(state: TrainState, layout, step: int, world_size: int, infos: list[dict]) -> dict:
+def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]) -> dict:
     groups, leaves = walk(state)
-    layout_json = None
+    layout, layout_json = plan.layout, None
     if layout is not None:
         layout_json = layout.to_json()
         del layout_json["rank"]
@@ -198,50 +285,12 @@ def _manifest(state: TrainState, layout, step: int, world_size: int, infos: list
         "format": FORMAT, "format_version": FORMAT_VERSION, "zfunc_version": zfunc.__version__,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "step": step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,
+        "step": plan.step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,
         "layout": layout_json,
         "params": {k: list(s) for k, s in global_shapes(state, layout).items()},
         "weights": weights_path(groups),
         "groups": {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()},
         "leaves": {path: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for path, t in leaves.items()},
+        "ties": [list(tie) for tie in state.ties],
         "files": infos,
     }
-
-
-def _commit(directory: Path, tmp: Path, name: str, manifest: dict, keep: int | None, token: str) -> None:
-    """Make ``tmp`` the checkpoint ``name`` and point ``latest`` at it; every moment leaves a complete one."""
-    with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    final = directory / name
-    old = None
-    if final.exists():  # the same step saved again: swap, keeping the old one until the new one is in place
-        old = directory / f"{name}.old-{token}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    fsync_dir(directory)
-    write_text_atomic(directory / LATEST, name + "\n", token)
-    if old is not None:
-        _remove(old, token)
-    if keep is not None:
-        done = sorted((int(m.group(1)), p) for p in directory.iterdir()
-                      if (m := STEP_DIR.fullmatch(p.name)) and (p / MANIFEST).exists() and p.name != name)
-        for _, p in done[:max(0, len(done) - (keep - 1))]:
-            _remove(p, token)
-    for p in directory.iterdir():  # debris of saves killed earlier (one writer per directory)
-        if STALE.fullmatch(p.name) and token not in p.name:
-            _remove(p, token)
-
-
-def _remove(path: Path, token: str) -> None:
-    """Delete a file or a checkpoint: renamed out of sight first, so a half-deleted one is never taken for whole."""
-    if path.is_dir():
-        gone = path.with_name(f"{STEP_DIR.match(path.name).group(0)}.del-{token}") if STEP_DIR.match(path.name) \
-            else path
-        if gone != path:
-            os.replace(path, gone)
-        shutil.rmtree(gone, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
