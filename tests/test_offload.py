@@ -118,3 +118,31 @@ def test_fused_paths_cover_clipping_before_adam():
     new, _ = off(off.init(state), make_batch(8))
     assert zf.tree.tree_structure(new.opt_state) == zf.tree.tree_structure(state.opt_state)
     assert int(new.opt_state[1][0].count) == 1
+
+
+def test_streamed_update_is_the_whole_update_bit_for_bit():
+    """The chunked host update (gradients in, compute copy out, two buffers each) equals one kernel call
+    over the whole state, for chunks that split runs anywhere (multiples of the kernel's width)."""
+    from zfunc.kernels.cpu_adam import adamw_
+    from zfunc.optim.streamed import streamed_update
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [1000, 64, 3000]
+    base = [(torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16(), torch.randn(n, generator=g) * 0.1,
+             torch.rand(n, generator=g) * 0.01) for n in sizes]
+
+    def kernel(p, gr, m, v, out, wd):
+        adamw_(p, gr, m, v, lr=1e-2, step=3, weight_decay=wd, out_lowp=out)
+
+    whole = [tuple(t.clone() for t in run) for run in base]
+    outs_whole = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+    for (p, gr, m, v), out in zip(whole, outs_whole):
+        kernel(p, gr, m, v, out, 0.1)
+    for chunk in (64, 128, 960, 1 << 20):
+        runs = [tuple(t.clone() for t in run) for run in base]
+        outs = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in sizes]
+        streamed_update([(p, gr, m, v, out, 0.1) for (p, gr, m, v), out in zip(runs, outs)], kernel,
+                        torch.bfloat16, chunk=chunk)
+        for (p, _, m, v), (pw, _, mw, vw), out, ow in zip(runs, whole, outs, outs_whole):
+            for a, b in ((p, pw), (m, mw), (v, vw), (out, ow)):
+                assert torch.equal(a, b), chunk

@@ -149,7 +149,11 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
     if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
-            and isinstance(mu, dict) and mu.keys() == params.keys() and fusable(params, grads, mu, nu)):
+            and isinstance(mu, dict) and mu.keys() == params.keys()):
+        return None
+    if _host_state_device_grads(params, grads, mu, nu):
+        return _streamed(spec, params, grads, opt_state, compute_dtype, compute_into, host_threads)
+    if not fusable(params, grads, mu, nu):
         return None
     if compute_dtype is not None and compute_dtype not in LOWP_DTYPES:
         compute_dtype = None  # fp32 compute: the params are the compute copy
@@ -179,6 +183,56 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
                        grad_scale=None if divisor is None else divisor.to(p.device),
                        out_lowp=out[0] if out else None)
     return params, spec.advanced(opt_state, mu, nu, lr), copy
+
+
+def _host_state_device_grads(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
+    """`offload`'s case: fp32 state on the host, gradients on one CUDA device."""
+    live = [k for k, p in params.items() if p.numel()]
+    if not live:
+        return False
+    devices = {grads[k].device for k in live}
+    return (len(devices) == 1 and next(iter(devices)).type == "cuda"
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+                    for d in (params, mu, nu) for t in (d[k] for k in live))
+            and all(grads[k].dtype in GRAD_DTYPES and grads[k].is_contiguous() for k in live))
+
+
+def _streamed(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype, compute_into, host_threads):
+    """Host state, GPU gradients: the CPU kernel over chunks, copies overlapped (`zfunc.optim.streamed`).
+    The compute copy goes straight into ``compute_into`` on the GPU (or the fp32 params, without one)."""
+    from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
+    from zfunc.optim.streamed import streamed_update  # noqa: PLC0415
+
+    adam = spec.adam_state(opt_state)
+    mu, nu = adam.mu, adam.nu
+    lr = spec.schedule(spec.lr_state(opt_state).count)
+    step = int(adam.count + 1)
+    scale = 1.0
+    if spec.clip is not None:
+        scale = float(1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0))
+    decays = spec.weight_decays(params)
+    device = next(grads[k].device for k, p in params.items() if p.numel())
+    out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
+    targets = compute_into if compute_into is not None and all(
+        k in compute_into and compute_into[k].device == device and compute_into[k].is_contiguous()
+        and compute_into[k].numel() == p.numel() and compute_into[k].dtype == (out_dtype or torch.float32)
+        for k, p in params.items()) else None
+    if targets is None:  # where the new parameters go on the GPU
+        targets = {k: torch.empty(p.shape, dtype=out_dtype or torch.float32, device=device)
+                   for k, p in params.items()}
+    operands = [params, grads, mu, nu, targets]
+    keys = [k for k, p in params.items() if p.numel()]
+    runs = []
+    for run in contiguous_runs(keys, operands, decays):
+        p, g, m, v, out = (span_of(d, run) for d in operands)
+        runs.append((p, g, m, v, out, decays[run[0]]))
+
+    def kernel(p, g, m, v, out_lowp, weight_decay):
+        adamw_(p, g, m, v, lr=float(lr), beta1=spec.b1, beta2=spec.b2, eps=spec.eps, weight_decay=weight_decay,
+               step=step, mode=spec.mode, grad_scale=scale, out_lowp=out_lowp, num_threads=host_threads)
+
+    streamed_update(runs, kernel, out_dtype)
+    return params, spec.advanced(opt_state, mu, nu, lr), targets if compute_dtype is not None else None
 
 
 def _segments(spec: AdamSpec, run: list[str], params: dict, decays: dict):

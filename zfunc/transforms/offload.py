@@ -124,22 +124,37 @@ class offload(Transform):  # noqa: N801
 
     # -- the update ------------------------------------------------------------
     def apply_gradients(self, next, state, grads, request):
-        host_grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
-        if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
         ctx = current()
         if ctx is not None:
             ctx.state_consumed = True
+        fused = ctx is not None and ctx.facts.fused_update and state.tx.fused is not None
+        if not fused:  # the pytree update runs on host tensors: move the gradients there first
+            grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
+            if torch.cuda.is_available():
+                torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
+        # (The fused update streams device gradients through the host kernel itself, chunk by chunk,
+        # and writes the new compute parameters straight back: `zfunc.optim.streamed`.)
         own_master = state.extras.get("offload")
-        inner = state.replace(params=own_master.master) if own_master is not None else state
         device_params = state.params
-        new = next(inner, host_grads, request._replace(host_threads=self.host_threads()))
-        # Back to the device, in the compute dtype, in place.
-        write_grouped({k: t for k, t in new.state.params.items() if t is not device_params[k]}, device_params)
+        request = request._replace(host_threads=self.host_threads())
+        if own_master is not None:  # no mixed_precision: the device params are fp32, written back from the master
+            inner = state.replace(params=own_master.master)
+            request = request._replace(compute_dtype=next_dtype(device_params), compute_into=dict(device_params))
+        else:
+            inner = state
+        new = next(inner, grads, request)
+        written = new.compute_copy if own_master is not None and new.compute_copy is not None else new.state.params
+        # Back to the device, in the compute dtype, in place (what the kernel did not write there itself).
+        write_grouped({k: t for k, t in written.items() if t is not device_params[k]}, device_params)
         extras = dict(new.state.extras)
         if own_master is not None:
             extras["offload"] = OffloadState(new.state.params)
         return Updated(new.state.replace(params=device_params, extras=extras), None)
+
+
+def next_dtype(params: dict) -> torch.dtype:
+    """The dtype of the device parameters (what the update's compute copy must be)."""
+    return next(iter(params.values())).dtype if params else torch.float32
 
 
 def _on_cpu(params: dict) -> bool:
@@ -147,11 +162,13 @@ def _on_cpu(params: dict) -> bool:
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in host memory (pinned when CUDA is available, for async copies)."""
+    """``t`` in host memory: plain pageable memory, exactly its size. Only the chunk buffers that the
+    copy engines read or write are pinned (`zfunc.optim.streamed`); pinning the whole state would round
+    every allocation up to a power of two in torch's pinned-memory cache, and page-lock 12 bytes per
+    parameter for nothing."""
     if t.device.type == "cpu":
         return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    return host.copy_(t)
+    return t.to("cpu")
 
 
 # ---------------------------------------------------------------------------
