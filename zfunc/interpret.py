@@ -84,7 +84,11 @@ class Facts:
       reduce_dtype: the dtype gradients are reduced in across ranks (None: the gradients' own).
       loss_scaling: "none", "static" or "dynamic" (fp16 `mixed_precision`).
       stage: the ZeRO stage of `shard` (0 without shard).
-      optimizer_tier: where the optimizer state and its update live ("device", "host", "nvme").
+      optimizer_tier: where the optimizer state and its update live ("device", "host", "nvme"): the
+        tier holding most of it.
+      optimizer_split: the shares (device, host, nvme) of the optimizer state (master and moments),
+        placed unit by unit (`shard` places them; the update runs where each unit lives).
+      nvme_dir: the directory of the NVMe tier's files.
       params_tier: where parameter shards live between their uses (stage 3).
       fused_update: whether the optimizer may run as a fused in-place kernel (the stack owns the
         state's buffers, which the step consumes); False keeps the pure pytree update.
@@ -96,6 +100,8 @@ class Facts:
     loss_scaling: Literal["none", "static", "dynamic"] = "none"
     stage: int = 0
     optimizer_tier: Tier = "device"
+    optimizer_split: tuple[float, float, float] = (1.0, 0.0, 0.0)
+    nvme_dir: str | None = None
     params_tier: Tier = "device"
     fused_update: bool | None = None  # None: nobody declared; the pure update
 
@@ -112,6 +118,8 @@ class Stack:
         for transform in reversed(self.transforms):  # innermost first: outer ones see inner facts
             facts = transform.declare(facts)
         self.facts = facts
+        for transform in self.transforms:
+            transform.check(facts)
         self.handlers: dict[str, tuple[Callable, ...]] = {
             p: tuple(getattr(t, p) for t in self.transforms if callable(getattr(type(t), p, None)))
             for p in PRIMITIVES}
@@ -269,7 +277,8 @@ class Transform:
 
     @functools.cached_property
     def stack(self) -> Stack:
-        """This transform's stack (itself and everything it wraps) and its facts, built once."""
+        """This transform's stack (itself and everything it wraps) and its facts, built once (an
+        inner transform's own stack is a part; a step runs under its outermost transform's)."""
         return Stack(self)
 
     # -- the step --------------------------------------------------------
@@ -302,6 +311,9 @@ class Transform:
     def declare(self, facts: Facts) -> Facts:
         """The stack's facts with what this transform does added (default: nothing)."""
         return facts
+
+    def check(self, facts: Facts) -> None:
+        """Refuse, with a clear error, a stack whose facts this transform cannot work with (default: none)."""
 
     def start(self, ctx: StepContext, state) -> Any:
         """This transform's per-call scratch (reached with `call_scratch`); default None."""

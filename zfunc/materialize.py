@@ -156,12 +156,14 @@ class Materializer:
                     with torch.no_grad():
                         fn(module)
                 for g in done_after.get(i, []):
-                    ready = {k: values.pop(k) for k in groups[g] if k in values}
+                    ready = {k: values.pop(k) for k in sorted(groups[g]) if k in values}
+                    unset = [k for k, t in ready.items() if t.is_floating_point() and torch.isnan(t).any()]
+                    if unset:
+                        raise ValueError(
+                            f"materialize: parameter(s) {', '.join(map(repr, unset[:6]))} were not initialized by "
+                            f"{self!r} (still NaN): give their modules a reset_parameters() or pass "
+                            "functional(model, init=fn) covering them")
                     for k, t in ready.items():
-                        if t.is_floating_point() and torch.isnan(t).any():
-                            raise ValueError(
-                                f"materialize: parameter {k!r} was not initialized by {self!r} (it is still NaN): "
-                                "give its module a reset_parameters() or pass functional(model, init=fn) covering it")
                         for where, attr, full in slots_of.get(k, []):  # later writes are refused, not lost
                             where[attr] = _Released(full, t.shape, t.dtype, init_device)
                     on_group(g, ready)

@@ -114,9 +114,9 @@ def _replace_at(tree, path: tuple[int, ...], value):
 
 
 def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
-    """Whether a fused kernel takes these: fp32 contiguous params and moments and float gradients,
-    all on one device (empty tensors are skipped, so they may sit anywhere)."""
-    devices = set()
+    """Whether the fused kernels take these: fp32 contiguous params and moments, float contiguous
+    gradients; each parameter's state (param, moments) on one device, its gradient on that device or,
+    for state on the host, on a GPU (streamed, `zfunc.optim.streamed`). Empty tensors may sit anywhere."""
     for k, p in params.items():
         if not p.numel():
             continue
@@ -124,8 +124,10 @@ def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
         if not (p.dtype == m.dtype == v.dtype == torch.float32 and g.dtype in GRAD_DTYPES
                 and p.is_contiguous() and g.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
             return False
-        devices.update((p.device, g.device, m.device, v.device))
-    return len(devices) <= 1
+        if not (p.device == m.device == v.device and (g.device == p.device or (p.device.type == "cpu"
+                                                                              and g.device.type == "cuda"))):
+            return False
+    return True
 
 
 def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
@@ -134,14 +136,19 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
 
     Computes what ``tx.update`` and ``apply_updates`` compute (see the module
     docstring): ``params`` and the moments are updated in place and returned
-    with the new optimizer state.
+    with the new optimizer state. Each run of parameters goes to the kernel of
+    where its state lives: the GPU kernel for state on a GPU, the CPU kernel
+    for state on the host (streamed chunk by chunk when its gradients are on a
+    GPU), so one update may span tiers (`offload`'s placement).
 
     Args:
       spec: the optimizer's fused form (``tx.fused``).
       params, grads: dicts keyed alike; params fp32, grads fp32/bf16/fp16.
       opt_state: the optimizer's state (its moments are updated in place).
-      compute_dtype: also write the new parameters rounded to this dtype (bf16/fp16), in the same pass.
-      compute_into: where to write them, per key (used where dtype, device and size fit).
+      compute_dtype: also write the new parameters in this dtype (bf16/fp16 rounded to nearest
+        even in the same pass; fp32: a copy), e.g. the compute copy of `mixed_precision`.
+      compute_into: where to write them, per key (used where dtype and size fit and the device is the
+        state's or the gradient's; elsewhere new tensors).
       host_threads: threads for the CPU kernel (default: torch's).
     Returns:
       ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
@@ -149,90 +156,92 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
     if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
-            and isinstance(mu, dict) and mu.keys() == params.keys()):
+            and isinstance(mu, dict) and mu.keys() == params.keys() and fusable(params, grads, mu, nu)):
         return None
-    if _host_state_device_grads(params, grads, mu, nu):
-        return _streamed(spec, params, grads, opt_state, compute_dtype, compute_into, host_threads)
-    if not fusable(params, grads, mu, nu):
-        return None
-    if compute_dtype is not None and compute_dtype not in LOWP_DTYPES:
-        compute_dtype = None  # fp32 compute: the params are the compute copy
     lr = spec.schedule(spec.lr_state(opt_state).count)
     step = adam.count + 1
     divisor = None
     if spec.clip is not None:  # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
         divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
     decays = spec.weight_decays(params)
-    copy = compute_outputs(params, compute_dtype, compute_into) if compute_dtype is not None else None
+    out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
+    copy = _compute_targets(params, grads, compute_dtype, compute_into) if compute_dtype is not None else None
     operands = [params, grads, mu, nu, *([copy] if copy is not None else [])]
     keys = [k for k, p in params.items() if p.numel()]
+    host = _HostKernel(spec, lr, step, divisor, host_threads)
+    streamed = []
     for run in contiguous_runs(keys, operands, decays):
         p, g, m, v, *out = (span_of(d, run) for d in operands)
-        if p.device.type == "cpu":
-            from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
-
-            adamw_(p, g, m, v, lr=float(lr), beta1=spec.b1, beta2=spec.b2, eps=spec.eps,
-                   weight_decay=decays[run[0]], step=int(step), mode=spec.mode,
-                   grad_scale=1.0 if divisor is None else float(divisor),
-                   out_lowp=out[0] if out else None, num_threads=host_threads)
+        target = out[0] if out else None
+        decay = decays[run[0]]
+        if p.device.type == "cpu" and g.device.type == "cuda":
+            if target is not None and target.device.type == "cpu":  # parameters kept on the host: in place
+                streamed.append((p, g, m, v, None, decay, target))
+            else:
+                streamed.append((p, g, m, v, target, decay, None))
+        elif p.device.type == "cpu":
+            host(p, g, m, v, target if out_dtype is not None else None, decay)
+            if target is not None and out_dtype is None:
+                target.copy_(p)
         else:
-            from zfunc.kernels.gpu_adam import adam_flat_  # noqa: PLC0415
+            _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor)
+    if streamed:
+        from zfunc.optim.streamed import streamed_update  # noqa: PLC0415
 
-            adam_flat_(p, g, m, v, _segments(spec, run, params, decays), lr=lr.to(p.device),
-                       step=step.to(p.device), beta1=spec.b1, beta2=spec.b2, eps=spec.eps, mode=spec.mode,
-                       grad_scale=None if divisor is None else divisor.to(p.device),
-                       out_lowp=out[0] if out else None)
+        streamed_update(streamed, host, out_dtype)
     return params, spec.advanced(opt_state, mu, nu, lr), copy
 
 
-def _host_state_device_grads(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
-    """`offload`'s case: fp32 state on the host, gradients on one CUDA device."""
-    live = [k for k, p in params.items() if p.numel()]
-    if not live:
-        return False
-    devices = {grads[k].device for k in live}
-    return (len(devices) == 1 and next(iter(devices)).type == "cuda"
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-                    for d in (params, mu, nu) for t in (d[k] for k in live))
-            and all(grads[k].dtype in GRAD_DTYPES and grads[k].is_contiguous() for k in live))
+class _HostKernel:
+    """The numba Adam/AdamW over one run or chunk: ``kernel(p, g, m, v, out_lowp, weight_decay)``."""
+
+    def __init__(self, spec: AdamSpec, lr, step, divisor, threads) -> None:
+        self.spec, self.threads = spec, threads
+        self.lr, self.step = float(lr), int(step)
+        self.scale = 1.0 if divisor is None else float(divisor)
+
+    def __call__(self, p, g, m, v, out_lowp, weight_decay) -> None:
+        from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
+
+        spec = self.spec
+        adamw_(p, g, m, v, lr=self.lr, beta1=spec.b1, beta2=spec.b2, eps=spec.eps, weight_decay=weight_decay,
+               step=self.step, mode=spec.mode, grad_scale=self.scale, out_lowp=out_lowp, num_threads=self.threads)
 
 
-def _streamed(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype, compute_into, host_threads):
-    """Host state, GPU gradients: the CPU kernel over chunks, copies overlapped (`zfunc.optim.streamed`).
-    The compute copy goes straight into ``compute_into`` on the GPU (or the fp32 params, without one)."""
-    from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
-    from zfunc.optim.streamed import streamed_update  # noqa: PLC0415
+def _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor) -> None:
+    """One run on the GPU kernel; the new parameters into ``target`` (on another device: through a
+    buffer on this one)."""
+    from zfunc.kernels.gpu_adam import adam_flat_  # noqa: PLC0415
 
-    adam = spec.adam_state(opt_state)
-    mu, nu = adam.mu, adam.nu
-    lr = spec.schedule(spec.lr_state(opt_state).count)
-    step = int(adam.count + 1)
-    scale = 1.0
-    if spec.clip is not None:
-        scale = float(1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0))
-    decays = spec.weight_decays(params)
-    device = next(grads[k].device for k, p in params.items() if p.numel())
-    out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
-    targets = compute_into if compute_into is not None and all(
-        k in compute_into and compute_into[k].device == device and compute_into[k].is_contiguous()
-        and compute_into[k].numel() == p.numel() and compute_into[k].dtype == (out_dtype or torch.float32)
-        for k, p in params.items()) else None
-    if targets is None:  # where the new parameters go on the GPU
-        targets = {k: torch.empty(p.shape, dtype=out_dtype or torch.float32, device=device)
-                   for k, p in params.items()}
-    operands = [params, grads, mu, nu, targets]
-    keys = [k for k, p in params.items() if p.numel()]
-    runs = []
-    for run in contiguous_runs(keys, operands, decays):
-        p, g, m, v, out = (span_of(d, run) for d in operands)
-        runs.append((p, g, m, v, out, decays[run[0]]))
+    out = target if target is not None and target.device == p.device and out_dtype is not None else None
+    if target is not None and out is None and out_dtype is not None:
+        out = torch.empty(p.numel(), dtype=out_dtype, device=p.device)
+    adam_flat_(p, g, m, v, _segments(spec, run, params, decays), lr=lr.to(p.device), step=step.to(p.device),
+               beta1=spec.b1, beta2=spec.b2, eps=spec.eps, mode=spec.mode,
+               grad_scale=None if divisor is None else divisor.to(p.device), out_lowp=out)
+    if target is not None and (out is None or out is not target):
+        target.copy_(out if out is not None else p, non_blocking=target.device.type == "cuda")
 
-    def kernel(p, g, m, v, out_lowp, weight_decay):
-        adamw_(p, g, m, v, lr=float(lr), beta1=spec.b1, beta2=spec.b2, eps=spec.eps, weight_decay=weight_decay,
-               step=step, mode=spec.mode, grad_scale=scale, out_lowp=out_lowp, num_threads=host_threads)
 
-    streamed_update(runs, kernel, out_dtype)
-    return params, spec.advanced(opt_state, mu, nu, lr), targets if compute_dtype is not None else None
+def _compute_targets(params: dict, grads: dict, dtype: torch.dtype, into: dict | None) -> dict:
+    """Where each parameter's new compute copy goes: ``into[k]`` where it fits (dtype, size, contiguous,
+    on the state's or the gradient's device), else a new tensor laid out like the params (on the
+    gradient's device for state on the host)."""
+    out: dict[str, torch.Tensor] = {}
+    fresh: dict[str, torch.Tensor] = {}
+    for k, p in params.items():
+        t = into.get(k) if into is not None else None
+        if t is not None and t.dtype == dtype and t.numel() == p.numel() and t.is_contiguous() and \
+                t.device in (p.device, grads[k].device):
+            out[k] = t
+        else:
+            fresh[k] = p
+    if fresh:
+        made = laid_out_like(fresh, dtype)
+        for k, t in made.items():
+            g = grads[k]
+            out[k] = t.to(g.device) if g.device != t.device else t
+    return {k: out[k] for k in params}
 
 
 def _segments(spec: AdamSpec, run: list[str], params: dict, decays: dict):
@@ -249,22 +258,6 @@ def _segments(spec: AdamSpec, run: list[str], params: dict, decays: dict):
             start += params[k].numel()
         table = spec.tables[key] = AdamSegments.build(runs, device)
     return table
-
-
-def compute_outputs(params: dict[str, torch.Tensor], dtype: torch.dtype,
-                    into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Where the kernel writes the compute copy of each parameter.
-
-    ``into`` where it fits (same device, dtype, size, contiguous); otherwise
-    new buffers laid out like ``params`` (one per gap-free span, pinned host
-    memory when the params live on the host of a CUDA machine), so that moving
-    the copy to the device is one transfer per span.
-    """
-    if into is not None and all(
-            k in into and into[k].dtype == dtype and into[k].device == p.device and into[k].is_contiguous()
-            and into[k].numel() == p.numel() for k, p in params.items()):
-        return {k: into[k] for k in params}
-    return laid_out_like(params, dtype)
 
 
 def laid_out_like(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

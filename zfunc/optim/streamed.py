@@ -30,14 +30,14 @@ CHUNK = 1 << 25
 ALIGN = 64  # chunk sizes are multiples of this (the kernel's tail handling is per call)
 
 
-def streamed_update(runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                     float]],
-                    kernel, out_dtype: torch.dtype | None, chunk: int = CHUNK) -> None:
+def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, chunk: int = CHUNK) -> None:
     """Run ``kernel`` over every run, chunk by chunk, with the copies overlapped (module docstring).
 
     Args:
-      runs: ``(param, grad, exp_avg, exp_avg_sq, out, weight_decay)``: flat spans; param and the moments
-        on the host, grad on one CUDA device, out (the compute copy's span, on that device) or None.
+      runs: ``(param, grad, exp_avg, exp_avg_sq, out, weight_decay[, host_out])``: flat spans; param and
+        the moments on the host, grad on one CUDA device; ``out`` the compute copy's span on that device
+        (or None); ``host_out`` instead a span on the host (parameters kept in pinned host memory, stage 3
+        with ``offload(params="host")``), which the kernel writes directly.
       kernel: ``kernel(p, g, m, v, out_lowp, weight_decay)`` on host chunks (the numba Adam).
       out_dtype: the dtype of ``out`` (bf16/fp16), or None when the parameters themselves (fp32) go back.
       chunk: elements per chunk.
@@ -57,6 +57,7 @@ def streamed_update(runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
     landed = [streams.event() for _ in range(2)]  # a gradient chunk reached its pinned buffer
     sent = [None, None]  # the event of the last upload from each out buffer
 
+    runs = [tuple(run) + (None,) * (7 - len(run)) for run in runs]
     pieces = [(run, start, min(start + chunk, run[0].numel())) for run in runs
               for start in range(0, run[0].numel(), chunk)]
 
@@ -68,14 +69,20 @@ def streamed_update(runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
             landed[slot].record(down)
 
     download(0)
-    for i, ((p, g, m, v, out, decay), a, b) in enumerate(pieces):
+    for i, ((p, g, m, v, out, decay, host_out), a, b) in enumerate(pieces):
         slot = i % 2
         if i + 1 < len(pieces):
             download(i + 1)  # its gradient buffer was read by the kernel of chunk i-1, which has returned
         landed[slot].synchronize()
+        n = b - a
+        if host_out is not None:  # the parameters live on the host: written in place, nothing goes back
+            kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], host_out[a:b] if out_dtype is not None else None,
+                   decay)
+            if out_dtype is None:
+                host_out[a:b].copy_(p[a:b])
+            continue
         if sent[slot] is not None:
             sent[slot].synchronize()  # the upload of chunk i-2 has left this out buffer
-        n = b - a
         back = out_bufs[slot][:n]
         kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], back if out_dtype is not None else None, decay)
         if out_dtype is None:

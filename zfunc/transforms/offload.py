@@ -52,43 +52,100 @@ class OffloadState(NamedTuple):
     master: dict[str, torch.Tensor]
 
 
-OPTIMIZER_PLACES = ("host", "cpu", "cpu-pytree")
+OPTIMIZER_PLACES = ("host", "cpu", "cpu-pytree", "nvme")
+PARAM_PLACES = ("device", "host")
 
 
 class offload(Transform):  # noqa: N801
-    """ZeRO-Offload: the optimizer state and its update on the host.
+    """ZeRO-Offload / ZeRO-Infinity: the optimizer state (and parameters) off the GPU.
 
     Args:
       step: the step to transform (inside `shard`, outside the compute transforms).
-      optimizer: "host" (or its alias "cpu"): Adam/AdamW in the fused numba kernel,
-        other optimizers through their pytree update on host tensors;
-        "cpu-pytree" forces the pytree path (a reference for tests).
+      optimizer: where the optimizer state (fp32 master, moments) and its update live:
+        "host" (or its alias "cpu"): Adam/AdamW in the fused numba kernel, other
+        optimizers through their pytree update on host tensors; "nvme": in files
+        under ``nvme_dir``, streamed through the host kernel unit by unit;
+        "cpu-pytree" forces the host pytree path (a reference for tests).
       threads: host threads for the update (default: see `host_threads`).
+      params: stage 3 only: where the parameter shards live between their uses,
+        "device" or "host" (pinned host memory, each unit copied to the GPU ahead
+        of its use).
+      device_fraction: the share of the optimizer state (by elements, whole units)
+        kept on the GPU and updated there by the fused GPU kernel (DeepSpeed's
+        Twin-Flow ``ratio`` read the other way); under `shard` only.
+      nvme_fraction: the share in NVMe files (default: all but the device share
+        with ``optimizer="nvme"``, none otherwise); the rest is on the host.
+      nvme_dir: the directory for the NVMe tier's files (a local NVMe drive; the
+        files are zfunc's own and removed when the process exits).
     """
 
     name = "offload"
     level = 1
 
-    def __init__(self, step: Callable, optimizer: Literal["host", "cpu", "cpu-pytree"] = "host",
-                 threads: int | None = None) -> None:
+    def __init__(self, step: Callable, optimizer: Literal["host", "cpu", "cpu-pytree", "nvme"] = "host",
+                 threads: int | None = None, *, params: Literal["device", "host"] = "device",
+                 device_fraction: float = 0.0, nvme_fraction: float | None = None,
+                 nvme_dir: str | None = None) -> None:
         if optimizer not in OPTIMIZER_PLACES:
             raise ValueError(f"offload: optimizer must be one of {OPTIMIZER_PLACES}, got {optimizer!r}")
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"offload: threads must be a positive int or None, got {threads!r}")
+        if params not in PARAM_PLACES:
+            raise ValueError(f"offload: params must be one of {PARAM_PLACES}, got {params!r}")
+        device_fraction = _fraction("device_fraction", device_fraction)
+        if nvme_fraction is None:
+            nvme_fraction = 1.0 - device_fraction if optimizer == "nvme" else 0.0
+        nvme_fraction = _fraction("nvme_fraction", nvme_fraction)
+        if device_fraction + nvme_fraction > 1.0 + 1e-9:
+            raise ValueError(f"offload: device_fraction ({device_fraction}) + nvme_fraction ({nvme_fraction}) "
+                             "exceed 1")
+        if nvme_fraction > 0 and not nvme_dir:
+            raise ValueError("offload: the NVMe tier needs nvme_dir=, a directory on a local NVMe drive")
+        if nvme_dir is not None and not isinstance(nvme_dir, (str, os.PathLike)):
+            raise ValueError(f"offload: nvme_dir must be a path, got {nvme_dir!r}")
+        if optimizer == "cpu-pytree" and (device_fraction or nvme_fraction):
+            raise ValueError("offload(optimizer='cpu-pytree') keeps the whole optimizer state on the host")
         super().__init__(step)
         self.optimizer = "host" if optimizer == "cpu" else optimizer
-        self.threads = threads
+        self.threads, self.params = threads, params
+        self.device_fraction, self.nvme_fraction = device_fraction, nvme_fraction
+        self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"optimizer": self.optimizer} if self.optimizer != "host" else {}
         if self.threads is not None:
             out["threads"] = self.threads
+        if self.params != "device":
+            out["params"] = self.params
+        if self.device_fraction:
+            out["device_fraction"] = self.device_fraction
+        if self.nvme_fraction and self.optimizer != "nvme":
+            out["nvme_fraction"] = self.nvme_fraction
+        if self.nvme_dir is not None:
+            out["nvme_dir"] = self.nvme_dir
         return out
+
+    @property
+    def split(self) -> tuple[float, float, float]:
+        """The (device, host, nvme) shares of the optimizer state."""
+        host = max(0.0, 1.0 - self.device_fraction - self.nvme_fraction)
+        return (self.device_fraction, host, self.nvme_fraction)
 
     def declare(self, facts: Facts) -> Facts:
         fused = False if self.optimizer == "cpu-pytree" else (True if facts.fused_update is None else
                                                               facts.fused_update)
-        return facts.replace(optimizer_tier="host", fused_update=fused)
+        split = self.split
+        tier = ("device", "host", "nvme")[max(range(3), key=split.__getitem__)]
+        return facts.replace(optimizer_tier=tier, optimizer_split=split, nvme_dir=self.nvme_dir,
+                             params_tier=self.params, fused_update=fused)
+
+    def check(self, facts: Facts) -> None:
+        if self.params == "host" and facts.stage != 3:
+            raise ValueError("offload(params='host') keeps parameter shards on the host and gathers them per "
+                             "block: it needs shard(..., stage=3) around it")
+        if (self.device_fraction or self.nvme_fraction) and facts.stage == 0:
+            raise ValueError("offload(device_fraction=..., nvme_fraction=...) places the optimizer state unit by "
+                             "unit: it needs shard(...) around it")
 
     def host_threads(self) -> int:
         """Threads for the host update: ``threads`` if given; under torchrun this process's share
@@ -150,6 +207,12 @@ class offload(Transform):  # noqa: N801
         if own_master is not None:
             extras["offload"] = OffloadState(new.state.params)
         return Updated(new.state.replace(params=device_params, extras=extras), None)
+
+
+def _fraction(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"offload: {name} must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def next_dtype(params: dict) -> torch.dtype:
