@@ -10,10 +10,10 @@ possible (`zero_scenarios.collect`, cached for the module), so a test mostly rea
 its result; the first test of a batch pays for it (~50 s for 2 ranks, ~20 s for 4,
 ~15 s for the transformers models, most of it transformers' import).
 
-What fails today is marked ``xfail(strict=True, raises=...)``, grouped by defect
-(`DEFECTS`, `KNOWN`): a fix makes its tests pass, strict makes that an error until
-the mark is removed, and ``raises`` makes a different failure (say, a hang that
-turned into wrong numbers) an error too. ``python -m tests.zero_scenarios 2 4``
+What fails is marked ``xfail(strict=True, raises=...)``, grouped by defect
+(`DEFECTS`, `KNOWN`; empty today): a fix makes its tests pass, strict makes that an
+error until the mark is removed, and ``raises`` makes a different failure (say, a
+hang that turned into wrong numbers) an error too. ``python -m tests.zero_scenarios 2 4``
 prints the whole outcome matrix.
 """
 
@@ -40,74 +40,12 @@ class Defect(NamedTuple):
     raises: type | tuple[type, ...]
 
 
-DIVERGED = (AssertionError, TimeoutError, DistributedError)  # mismatched collectives: wrong, hang or abort
-
-DEFECTS = {
-    "used_twice": Defect(
-        "defect: a unit used twice in one forward (a block called twice, a block object at two positions, or "
-        "apply_fn called twice in one loss) gets garbage gradients at stages 2 and 3: _UnitViews.backward returns "
-        "the reduce-scatter's output buffer while the asynchronous collective is still in flight, and autograd "
-        "sums the two uses' buffers before counter.wait_pending() (shard_layout._UnitViews, dist.reduce_scatter_flat)",
-        AssertionError),
-    "tied_position": Defect(
-        "defect: the default units make blocks.0 a unit although blocks.2 is the same module object, then "
-        "_check_ties refuses the alias blocks.2.* (shard._check_ties, shard_layout.repeated_prefixes)",
-        zs.EveryRankRaised),
-    "outside_block": Defect(
-        "defect: a block's parameter used outside the block (F.linear(h, blocks[0].weight)) reads the template "
-        "module's stale tensor and its gradient is dropped: run_model_call swaps block params in only inside the "
-        "block's own forward (functional.run_model_call 'outer', shard.apply)",
-        AssertionError),
-    "dangling": Defect(
-        "defect: a block that returns its own parameter crashes stage 3 with reshard='release': the output is a "
-        "view of the gathered buffer, whose storage around_block frees (resize_(0)) before the caller reads it "
-        "(reshard.around_block, ReleasedBuffer.release); a use after free: a segfault, or garbage",
-        (DistributedError, AssertionError)),
-    "diverged": Defect(
-        "defect: a unit that runs on only some ranks (a branch chosen by rank, a block skipped on one rank, MoE "
-        "experts that get no token on a rank) issues its all-gather / reduce-scatter on those ranks only; "
-        "collectives then pair with the wrong partner (wrong numbers), abort gloo on a size mismatch, or wait "
-        "forever; the default units make MoE experts and branches units (shard_layout.repeated_prefixes, "
-        "shard.apply)",
-        DIVERGED),
-    "container": Defect(
-        "defect: a unit that is a container never called itself (a ModuleList of ModuleLists, tiled linear "
-        "layers) is never gathered nor reduced: its wrapper replaces the container's forward, which nobody calls, "
-        "and its params are not swapped in anywhere else, so the model reads the template's tensors and the "
-        "gradients are zero (shard.apply wrap_block, functional._BlockOverride); checkpoint's default picks the "
-        "same containers and refuses them",
-        (AssertionError, zs.EveryRankRaised)),
-    "toggled": Defect(
-        "defect: requires_grad set to False after zf.functional is ignored at stage 1 (the parameter still "
-        "trains) and fails with a bare KeyError at stages 2 and 3: functional snapshots aliases/param_spec at "
-        "construction, block_param_names re-reads requires_grad lazily (functional.block_param_names, "
-        "UnitLayout.shard_data)",
-        AssertionError),
-    "padding_rank": Defect(
-        "defect: under recompute (checkpoint at stage 3, reshard='recompute') a rank that owns only padding of a "
-        "unit (numel 3 on 4 ranks) never runs the unit's reduce-scatter, so the other ranks wait: "
-        "UnitLayout.cat_shard drops the empty slices and returns fresh zeros with no autograd edge to them, so "
-        "dist.AllGather's backward never runs there (shard.apply composable_views); a hang, or gloo's abort on "
-        "the next collective's size",
-        (TimeoutError, DistributedError)),
-    "empty_unit": Defect(
-        "defect: a unit whose parameters all have zero elements (blocks holding only empty parameters) makes "
-        "UnitLayout.cat_shard index an empty list (IndexError) in shard.gather_params (and in the recompute "
-        "path): it drops empty slices, and a unit of numel 0 has nothing else",
-        zs.EveryRankRaised),
-    "recompute_outputs": Defect(
-        "limitation (checkpoint): a recomputed block must return tensors; blocks returning an int, None or an "
-        "opaque object are refused (recompute.recompute)",
-        zs.EveryRankRaised),
-    "recompute_hooks": Defect(
-        "defect (checkpoint): the router logits that transformers captures with forward hooks inside a "
-        "recomputed decoder layer come from its no-grad forward, so the load-balancing loss sends no gradient "
-        "through them (recompute.recompute runs the forward under no_grad)",
-        AssertionError),
-}
-
-S23 = {"s2-plain", "s3-plain", "s3-offload", "s2-accumulate"}  # stages 2 and 3, without checkpoint
-S3 = {"s3-plain", "s3-offload"}
+# What fails today, by defect: nothing. The defects this suite found when it was ported (a unit used
+# twice, a parameter used outside its block, a block returning its own parameter, a unit run on some
+# ranks only, containers as units, requires_grad toggled after functional, padding-only ranks, units
+# of empty parameters, forward hooks inside recomputed blocks) are fixed; see ARCHITECTURE.md. A new
+# known failure goes here as Defect(reason, raises) with its configs in KNOWN.
+DEFECTS: dict[str, Defect] = {}
 
 
 class Known(NamedTuple):
@@ -118,36 +56,7 @@ class Known(NamedTuple):
     worlds: tuple[int, ...] = (2, 4)
 
 
-def known(defect: str, configs, worlds=(2, 4)) -> Known:
-    return Known(defect, frozenset(configs), worlds)
-
-
-KNOWN: dict[str, list[Known]] = {
-    "reused_layers": [known("used_twice", S23)],  # checkpoint's nested backward waits: passes
-    "looped_blocks": [known("used_twice", S23)],
-    "apply_twice_linear": [known("used_twice", S23)],
-    "two_forwards_blocks": [known("used_twice", S23 | {"s3-checkpoint"})],
-    "shared_position": [known("tied_position", S23 | {"s3-checkpoint"})],
-    "weight_outside_block": [known("outside_block", S23 | {"s3-checkpoint"})],
-    "dangling_bias": [known("dangling", S3)],
-    "dangling_bias_object": [known("dangling", S3), known("recompute_outputs", {"s3-checkpoint"})],
-    "structured_block_outputs": [known("dangling", S3), known("recompute_outputs", {"s3-checkpoint"})],
-    "keyword_block_args": [known("recompute_outputs", {"s3-checkpoint"})],
-    "choose_by_rank": [known("diverged", S23)],
-    "choose_by_rank_units": [known("diverged", S23)],
-    "skip_block_on_rank0": [known("diverged", S23)],
-    "moe_starved": [known("diverged", S23)],
-    "moe_starved_expert_units": [known("diverged", S23)],
-    "nested_module_lists": [known("container", S23 | {"s3-checkpoint"})],
-    "tiled_linear": [known("container", S23 | {"s3-checkpoint"})],
-    "tiled_linear_units": [known("container", S23)],
-    "requires_grad_toggled": [known("toggled", S23 | {"s1-plain", "s3-checkpoint"})],
-    "many_small_params": [known("padding_rank", {"s3-checkpoint", "s3-recompute"}, worlds=(4,))],
-    "only_empty_blocks": [known("empty_unit", S23 | {"s1-plain", "s3-checkpoint"})],
-    "hf_mixtral": [known("recompute_hooks", {"s3-checkpoint"})],
-    "hf_mixtral_starved": [known("recompute_hooks", {"s3-checkpoint"})],
-    "hf_qwen2_moe_starved": [known("recompute_hooks", {"s3-checkpoint"})],
-}
+KNOWN: dict[str, list[Known]] = {}
 
 
 def failure(name: str, config: zs.Config, world: int) -> Defect | None:

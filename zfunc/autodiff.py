@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from zfunc.interpret import dispatch, gradients_ready
+from zfunc.interpret import current, dispatch, gradients_ready
 from zfunc.tree import tree_flatten, tree_leaves, tree_unflatten
 
 
@@ -107,7 +107,9 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
             "zero. Compute the loss from the params argument: call apply_fn(params, ...) (from zf.functional) "
             "inside the loss function, not the module itself, and do not detach the params.")
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)
-    if all(g is None for g in grads):
+    # (Under a transform, gradients may arrive after backward returns: `shard` reduces a unit that ran on
+    # some ranks only once every rank's backward is done. Then the loss's dependence is all we check.)
+    if all(g is None for g in grads) and current() is None:
         raise ValueError(
             "value_and_grad: no parameter received a gradient: the loss does not depend on the params it was "
             "given. Call apply_fn(params, ...) (from zf.functional) inside the loss function, not the module "

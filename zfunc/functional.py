@@ -83,8 +83,9 @@ class ModelCall:
     constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     recompute_required: set[str] = dataclasses.field(default_factory=set)
     # Keys whose tensor in ``params`` is not the full parameter (a shard that a block wrapper
-    # gathers): outside its block such a parameter cannot be used (see `run_model_call`).
+    # gathers), and how to get the full one elsewhere: see `run_model_call`.
     partial_keys: frozenset = frozenset()
+    resolve_outside: Callable[[str], torch.Tensor] | None = None
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -147,6 +148,9 @@ class ModelStructure:
         self._block_ties: dict[str, bool] = {}
         self._outer: dict[tuple, list[tuple[str, str]]] = {}
         self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
+        # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
+        # used outside its block (`OutsideItsBlock`); provided by the call's transforms.
+        self.outside: Callable[[str], torch.Tensor] | None = None
         self._blocks: list[str] | None = None
         self._selections: dict = {}
         self._of_type: dict = {}
@@ -213,15 +217,15 @@ class ModelStructure:
 
     def placeholders(self, keys: frozenset, params: dict) -> dict[str, torch.Tensor]:
         """``{name: placeholder}`` for every trainable name whose key is in ``keys``: a tensor with the
-        parameter's shape and the dtype and device of ``params[key]``, holding no data, that refuses any
-        computation (`OutsideItsBlock`). Built once per set of keys."""
+        parameter's shape and the dtype and device of ``params[key]``, holding no data, resolved on use
+        (`OutsideItsBlock`). Built once per set of keys."""
         sample = params[next(iter(keys))]
         index = (keys, sample.dtype, sample.device)
         found = self._placeholders.get(index)
         if found is None:
             shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
             found = self._placeholders[index] = {
-                name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device)
+                name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device, self)
                 for name, key in self.aliases.items() if key in keys}
         return found
 
@@ -246,37 +250,81 @@ class ModelStructure:
 
 
 class OutsideItsBlock(torch.Tensor):
-    """What a sharded block's parameter is, outside its block, during a call (see `run_model_call`).
+    """What a sharded block's parameter is outside its block during a call (see `run_model_call`).
 
     It reports the parameter's shape, dtype and device (code that only reads
-    ``model.dtype`` or ``model.device`` keeps working) and raises a clear
-    error on any computation: under `shard` a block's parameters exist whole
-    only while the block runs.
+    ``model.dtype`` or ``model.device`` keeps working) and holds no data. When
+    code outside the block computes with it (a weight shared with a layer
+    outside the block; ``F.linear(h, model.blocks[0].weight)`` after the
+    blocks ran: DeepSpeed's "external parameter"), it is swapped for the full
+    parameter then and there (`ModelStructure.outside`, which the running
+    call's transform provides: `shard` gathers the unit, its gradient flows
+    back into the unit's reduction). Without such a provider (a use after the
+    call ended) it is a clear error.
     """
 
     @staticmethod
-    def __new__(cls, name: str, key: str, shape, dtype, device):
+    def __new__(cls, name: str, key: str, shape, dtype, device, structure: "ModelStructure"):
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
-        t.param_name, t.key = name, key
+        t.param_name, t.key, t.structure = name, key, structure
         return t
 
     def __init__(self, *args, **kwargs) -> None:
         pass
 
     @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__" or func in _METADATA:  # shape, dtype, device, ...
+            return super().__torch_function__(func, types, args, kwargs)
+        found = _first_outside((args, kwargs))
+        resolve = found.structure.outside if found is not None else None
+        if resolve is None:
+            _refuse_outside(found, getattr(func, "__name__", str(func)))
+        args, kwargs = _swap_outside((args, kwargs), resolve)
+        return func(*args, **kwargs)
+
+    @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        found = next((a for a in (*args, *(kwargs or {}).values()) if isinstance(a, OutsideItsBlock)), None)
-        name = found.param_name if found is not None else "a block parameter"
-        block = name.rpartition(".")[0]
-        raise RuntimeError(
-            f"{name} is used outside its block ({func.__name__}): under shard(stage=2|3) a block's parameters "
-            f"are gathered only while that block runs, so they cannot be read elsewhere in the model (e.g. a "
-            f"weight shared with a layer outside the block, or F.linear(h, model.{name}) after the blocks). "
-            f"Make the block part of the root unit, whose parameters stay available for the whole step: pass "
-            f"shard(..., units=[...]) listing the blocks without the one holding it (e.g. without {block!r}).")
+        _refuse_outside(_first_outside((args, kwargs or {})), func.__name__)
 
     def __repr__(self) -> str:  # noqa: D105
         return f"OutsideItsBlock({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+             torch.Tensor.element_size, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+def _first_outside(tree: Any) -> OutsideItsBlock | None:
+    if isinstance(tree, OutsideItsBlock):
+        return tree
+    if isinstance(tree, (list, tuple)):
+        return next((f for f in map(_first_outside, tree) if f is not None), None)
+    if isinstance(tree, dict):
+        return next((f for f in map(_first_outside, tree.values()) if f is not None), None)
+    return None
+
+
+def _swap_outside(tree: Any, resolve: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(tree, OutsideItsBlock):
+        return resolve(tree.key)
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_swap_outside(x, resolve) for x in tree)
+    if isinstance(tree, list):
+        return [_swap_outside(x, resolve) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _swap_outside(v, resolve) for k, v in tree.items()}
+    return tree
+
+
+def _refuse_outside(found: OutsideItsBlock | None, op: str):
+    name = found.param_name if found is not None else "a block parameter"
+    raise RuntimeError(
+        f"{name} is used outside its block ({op}) when no step is gathering it: under shard(stage=2|3) a block's "
+        "parameters exist whole only while a step runs the model (or under a torch.func transform, where they "
+        "cannot be gathered on demand). Compute with it inside the loss function (apply_fn's call), or keep the "
+        f"block in the root unit (shard(..., units=[...]) without {name.rpartition('.')[0]!r}).")
 
 
 class FunctionalModel:
@@ -427,10 +475,11 @@ def run_model_call(call: ModelCall) -> Any:
 
     Names inside a wrapped block take their params from the block's body. Every
     other name (a tied twin outside the block included) takes them from the
-    call; a name inside a wrapped block whose tensor in the call is only a
-    shard (``call.partial_keys``) gets an `OutsideItsBlock` placeholder
-    outside the block, so a use there is a clear error rather than a read of
-    the template module's stale tensor.
+    call; a name whose tensor in the call is only a shard
+    (``call.partial_keys``) gets an `OutsideItsBlock` placeholder outside its
+    block, which ``call.resolve_outside`` turns into the full parameter when
+    code there computes with it (rather than a read of the template module's
+    stale tensor).
     """
     model, structure = call.model, call.structure
     if not call.block_wrappers and not call.params.keys() >= structure.keys:
@@ -446,10 +495,15 @@ def run_model_call(call: ModelCall) -> Any:
         outer_params.update(structure.placeholders(call.partial_keys, call.params))
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
     with structure.lock:
-        return _run_locked(call, model, outer_params)
+        outside, structure.outside = structure.outside, call.resolve_outside
+        try:
+            return _run_locked(call, model, outer_params)
+        finally:
+            structure.outside = outside
 
 
 def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
+    _merge_aliased_blocks(call)
     overrides = [_BlockOverride(call, name) for name in call.block_wrappers]
     for override in overrides:
         override.install()
@@ -467,6 +521,24 @@ def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
     finally:
         for override in overrides:
             override.uninstall()
+
+
+def _merge_aliased_blocks(call: ModelCall) -> None:
+    """One module object under two block names (``ModuleList([a, b, a])``) gets one override: the
+    first name's wrappers, plus any kind of wrapper only the other names have."""
+    first: dict[int, str] = {}
+    for name in list(call.block_wrappers):
+        module = call.model.get_submodule(name)
+        owner = first.setdefault(id(module), name)
+        if owner == name:
+            continue
+        kinds = {kind for kind, _ in call.block_wrappers[owner]}
+        for kind, wrap in call.block_wrappers.pop(name):
+            if kind not in kinds:
+                call.block_wrappers[owner].append((kind, wrap))
+        if name in call.recompute_required:
+            call.recompute_required.discard(name)
+            call.recompute_required.add(owner)
 
 
 def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, structure: ModelStructure,
@@ -559,7 +631,11 @@ def find_blocks(sizes: dict[str, int]) -> list[str]:
     the outer block already groups them; a numbered child whose parameters
     all sit in numbered children of its own (nested ``ModuleList``s:
     ``layers.0.0``, ``layers.0.1``) is replaced by those, because a container
-    is never called. The blocks need not be identical (one may lack a bias).
+    is never called. A container named like an MoE layer's experts
+    (``experts``, ``local_experts``, ``deepspeed_experts``) is never a block
+    container: experts run only for the tokens routed to them, on some ranks
+    and not others, so their parent (the MoE layer) is the block. The blocks
+    need not be identical (one may lack a bias).
     Returns them in the order of their first parameter; empty if the model has
     no container.
 
@@ -575,13 +651,24 @@ def find_blocks(sizes: dict[str, int]) -> list[str]:
                 children.setdefault(".".join(parts[:i]), {})[".".join(parts[:i + 1])] = None
     containers = [c for c, kids in children.items() if len(kids) >= 2]
     outermost = [c for c in containers if not any(o != c and (o == "" or c.startswith(o + ".")) for o in containers)]
-    blocks = [b for c in outermost for child in children[c] for b in _called(child, names, children)]
+    blocks: list[str] = []
+    for c in outermost:
+        if c.rpartition(".")[2] in EXPERT_CONTAINERS:
+            # An MoE layer's experts run only for the tokens routed to them (on some ranks, not
+            # others): the layer that holds them is the block, never each expert.
+            if c.rpartition(".")[0]:
+                blocks.append(c.rpartition(".")[0])
+            continue
+        blocks.extend(b for child in children[c] for b in _called(child, names, children))
     first: dict[str, int] = {}
     for i, name in enumerate(names):
         for b in blocks:
             if name.startswith(b + "."):
                 first.setdefault(b, i)
     return sorted(blocks, key=lambda b: first.get(b, len(names)))
+
+
+EXPERT_CONTAINERS = frozenset({"experts", "local_experts", "deepspeed_experts"})
 
 
 def _called(child: str, names: list[str], children: dict[str, dict[str, None]]) -> list[str]:

@@ -53,7 +53,8 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
             where[attr] = tensor
         yield
     finally:
-        for (where, attr), original in zip(slots, originals):
+        # In reverse: a slot given under two names (a module at two positions) ends with its first original.
+        for (where, attr), original in reversed(list(zip(slots, originals))):
             where[attr] = original
 
 

@@ -32,9 +32,12 @@ from zfunc.tree import tree_flatten, tree_unflatten
 class ReleasedBuffer:
     """A gathered flat buffer whose storage exists only while its block runs."""
 
-    def __init__(self, full: torch.Tensor, flat_shard: torch.Tensor, comm: dist.Comm, tag: str = "") -> None:
+    def __init__(self, full: torch.Tensor, flat_shard: torch.Tensor, comm: dist.Comm, tag: str = "",
+                 before_refill=None) -> None:
         self.full, self.flat_shard = full, flat_shard.detach()
         self.comm, self.tag = comm, tag
+        self.before_refill = before_refill  # called before a refill's collective (shard compares ranks there)
+        self.keep = False  # never released (an output may hold a view of it)
         self.nbytes = full.untyped_storage().nbytes()
         self.pending = None  # an asynchronous refill in flight
         # Backward is done with the block when both the gradient of the gathered
@@ -57,13 +60,15 @@ class ReleasedBuffer:
 
     def release(self) -> None:
         self.wait()
-        if self.filled:
+        if self.filled and not self.keep:
             self.full.untyped_storage().resize_(0)
 
     def refill(self, asynchronous: bool = False) -> None:
         """All-gather the block's parameters back into the released storage."""
         if self.filled or self.pending is not None:
             return
+        if self.before_refill is not None:
+            self.before_refill()
         self.events = 0
         self.full.untyped_storage().resize_(self.nbytes)
         # The guard records the version now and restores it when closed: an

@@ -277,7 +277,8 @@ class shard(Transform):  # noqa: N801
     def start(self, ctx, state) -> _Call:
         layout, group = self._check_layout(state)
         comm = dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype)
-        units = Units(layout, comm, self.reshard) if self.stage > 1 else None
+        units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
+                      verify=self.verify) if self.stage > 1 else None
         return _Call(layout, comm, units)
 
     def run(self, state, batch):
@@ -322,11 +323,6 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         if call.units is not None:
             grads = call.units.finish_pass(grads)
-            if self.verify:
-                call.comm.check_sequence(
-                    "the collectives of this backward pass (each rank must gather and reduce the same units in the "
-                    "same order; a module that runs on some ranks only, e.g. an MoE expert that got no tokens on "
-                    "one rank, must not be its own unit: leave it inside a block that every rank runs)")
         return next(grads)
 
     def apply(self, next, model_call):
@@ -342,20 +338,25 @@ class shard(Transform):  # noqa: N801
         root = layout.unit_of_name(ROOT)
         if root is not None:
             new_params.update(units.views(root, params, params, full_flats, recomputed=False))
+        units.prefetch_first(params, full_flats)
+        outside = units.outside(params, full_flats)
         for block, unit in _wrapped_blocks(model_call, layout).items():
             local = model_call.block_param_names(block)  # local name -> key
             recomputed = self.stage == 3 and self.reshard == "recompute"
 
             def wrapper(name, body, unit=unit, local=local, recomputed=recomputed):
                 return units.block_body(unit, local, body, params, full_flats,
-                                        recomputed or model_call.recomputed(name))
+                                        recomputed or model_call.recomputed(name), outside)
 
             model_call.wrap_block(block, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
                 model_call.require_recompute(block)
         model_call.params = new_params
         model_call.partial_keys = frozenset(k for u in layout.units if u.name != ROOT for k in u.keys)
-        return next(model_call)
+        model_call.resolve_outside = outside
+        out = next(model_call)
+        units.finish_call(params, full_flats)
+        return out
 
     def apply_gradients(self, next, state, grads, request):
         call: _Call = self.call_scratch()
@@ -387,17 +388,25 @@ class shard(Transform):  # noqa: N801
 
 def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
     """The blocks whose forward gathers a unit: each unit's own module, and every other block of the
-    model whose trainable parameters all belong to one unit (the same layer reused in two places)."""
+    model whose trainable parameters all belong to one unit (the same layer object at two positions).
+    A module object is wrapped once, whatever names it has."""
     unit_of = layout.unit_of()
-    wrapped = {u.name: u for u in layout.units if u.name != ROOT}
+    model = model_call.model
+    wrapped: dict[str, Any] = {}
+    seen: set[int] = set()
+    for unit in layout.units:
+        if unit.name != ROOT:
+            wrapped[unit.name] = unit
+            seen.add(id(model.get_submodule(unit.name)))
     for block in model_call.structure.blocks():
-        if block in wrapped:
+        if block in wrapped or id(model.get_submodule(block)) in seen:
             continue
         owners = {unit_of[k].name for k in model_call.block_param_names(block).values() if k in unit_of}
         if len(owners) == 1 and ROOT not in owners:
             owner = owners.pop()
             if not block.startswith(owner + ".") and not owner.startswith(block + "."):
-                wrapped[block] = wrapped[owner]
+                wrapped[block] = layout.unit_of_name(owner)
+                seen.add(id(model.get_submodule(block)))
     return wrapped
 
 

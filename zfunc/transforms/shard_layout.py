@@ -148,13 +148,18 @@ class UnitLayout:
         return torch.cat(parts)
 
     def cat_shard(self, slices: dict[str, torch.Tensor], rank: int) -> torch.Tensor:
-        """``rank``'s flat shard from its per-key slices (differentiable; pads with zeros)."""
-        parts = [slices[k].reshape(-1) for k in self.keys if slices[k].numel()]
+        """``rank``'s flat shard from its per-key slices (differentiable; pads with zeros).
+
+        Empty slices stay in the concatenation: a rank whose share of a unit is
+        only padding still gets an autograd edge to its (empty) slices, so its
+        backward issues the unit's reduction like every other rank's.
+        """
+        parts = [slices[k].reshape(-1) for k in self.keys]
         used = sum(p.numel() for p in parts)
         ref = slices[self.keys[0]]
         if used < self.shard_size:
             parts.append(ref.new_zeros(self.shard_size - used))
-        return torch.cat(parts) if len(parts) > 1 else parts[0].reshape(-1)
+        return torch.cat(parts)
 
     def flat_of(self, views: dict[str, torch.Tensor], size: int) -> torch.Tensor | None:
         """The flat buffer that ``views`` are views of, if they are exactly ours.

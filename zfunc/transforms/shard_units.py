@@ -69,22 +69,24 @@ class UnitUse:
 
 class Reducer:
     """Called by a unit's `UnitViews` backward with one use's flat gradient; returns the unit's
-    reduced shard once every use has contributed (None before)."""
+    reduced shard once every use has contributed (None before, and for a unit whose reduction waits
+    for the end of backward)."""
 
-    def __init__(self, comm: dist.Comm, unit: UnitLayout, use: UnitUse, buffer: ReleasedBuffer | None) -> None:
-        self.comm, self.unit, self.use, self.buffer = comm, unit, use, buffer
+    def __init__(self, units: "Units", unit: UnitLayout, use: UnitUse, buffer: ReleasedBuffer | None) -> None:
+        self.units, self.unit, self.use, self.buffer = units, unit, use, buffer
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor | None:
         if self.buffer is not None:
             self.buffer.parameters_grad_ready()
+        self.units.backward_begins()
         use = self.use
         use.grad_sum = flat if use.grad_sum is None else use.grad_sum.add_(flat)
         use.seen += 1
-        if use.seen < use.uses or use.issued:
+        if use.seen < use.uses or use.issued or self.unit.name in self.units.deferred:
             return None
         use.issued = True
         grad, use.grad_sum = use.grad_sum, None
-        return self.comm.reduce_scatter(grad, self.unit.name)
+        return self.units.comm.reduce_scatter(grad, self.unit.name)
 
 
 class UnitViews(torch.autograd.Function):
@@ -121,26 +123,76 @@ class UnitViews(torch.autograd.Function):
 class Units:
     """The stage 2/3 unit machinery of one call of `shard` (see the module docstring)."""
 
-    def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"]) -> None:
+    def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"],
+                 explicit_units: bool = False, verify: bool = True) -> None:
         self.layout, self.comm, self.reshard = layout, comm, reshard
+        self.explicit_units, self.verify = explicit_units, verify
         self.rank = comm.group.rank
         self.blocks = [u for u in layout.units if u.name != ROOT]
         self.position = {u.name: i for i, u in enumerate(self.blocks)}
         self.mode: Literal["autograd", "functional"] = "autograd"
         self.uses: dict[str, UnitUse] = {}  # this backward pass's forward uses, by unit
+        self.agreed = False  # this pass's uses were compared across ranks
+        self.deferred: set[str] = set()  # units run unevenly across ranks: reduced after backward
         self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
+        self.issued = -1  # this model call's forward gathers: blocks [0, issued] are issued (stage 3)
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
 
     # -- a pass -------------------------------------------------------------------
     def start_pass(self) -> None:
         """A gradient call begins: decide the mode for this call; count uses afresh."""
         self.mode = "functional" if under_torch_func_or_compile() else "autograd"
-        self.uses = {}
+        self.uses, self.agreed, self.deferred = {}, False, set()
+
+    def backward_begins(self) -> None:
+        """Before the first collective of a backward pass: compare the units each rank ran.
+
+        A unit run on some ranks only (a module chosen by rank, a block skipped by data) would make
+        the ranks' reductions pair up wrongly, or hang. With the default units (the model's blocks)
+        its reduction waits for the end of backward, where every rank issues the uneven units'
+        reductions in unit order (zeros where a rank did not run it): exact, without overlap for
+        them. Named ``units=``, or at stage 3 (where backward gathers the unit again), it is refused
+        on every rank, before any gradient collective. One small exchange per backward pass.
+        """
+        if self.agreed:
+            return
+        self.agreed = True
+        if not self.verify or self.comm.group.size == 1:
+            return
+        mine = {name: use.uses for name, use in self.uses.items() if use.uses}
+        counts = dist.all_gather_json(mine, self.comm.group, "comparing the units each rank ran")
+        names = sorted({n for c in counts for n in c}, key=lambda n: self.position.get(n, -1))
+        uneven = [n for n in names if len({c.get(n, 0) for c in counts}) > 1]
+        if not uneven:
+            return
+        stage3 = any(b.name in uneven for b in self.blocks) and self.layout.stage == 3
+        if self.explicit_units or stage3:
+            runs = ", ".join(f"{n}: {[c.get(n, 0) for c in counts]}" for n in uneven[:6])
+            raise dist.CollectiveError(
+                f"shard: unit(s) {uneven[:6]} ran on some ranks only (times each rank ran them: {runs}); their "
+                "gathers and reductions cannot pair up across ranks. A module that runs on some ranks only (a "
+                "branch chosen by rank, an MoE expert that got no tokens) must live inside a unit every rank "
+                "runs: leave it out of units= (its parent block, or the root unit, then holds it)"
+                + ("" if self.explicit_units else "; at stage 3 the blocks found by default must also run on every "
+                   "rank: name the units that do with shard(..., units=[...])") + ".")
+        self.deferred = set(uneven)
 
     def finish_pass(self, grads: dict | None) -> dict | None:
         """The backward pass returned ``grads`` (keyed by param, this rank's shards): reduce what is
         still unreduced, wait for every reduction, and hand back the final gradients."""
+        self.backward_begins()  # (a backward that issued no collective still compares)
         flushed = {}
+        units = {u.name: u for u in self.layout.units}
+        for name in sorted(self.deferred, key=lambda n: self.position.get(n, -1)):
+            use = self.uses.get(name)
+            grad = use.grad_sum if use is not None else None
+            if grad is None:  # this rank did not run it: its share of the mean is zero
+                like = grads[units[name].keys[0]] if grads is not None else None
+                grad = torch.zeros(units[name].padded, dtype=like.dtype if like is not None else torch.float32,
+                                   device=like.device if like is not None else self.comm.group.device)
+            if use is not None:
+                use.issued, use.grad_sum = True, None
+            flushed[name] = self.comm.reduce_scatter(grad, name)
         for name, use in self.uses.items():
             if use.grad_sum is not None and not use.issued:
                 # A use whose backward never ran (its output did not reach the loss): reduce the
@@ -181,14 +233,39 @@ class Units:
             self.prefetched[(phase, unit.name)] = self.comm.all_gather_async(
                 unit.shard_data(params, self.rank), tag=unit.name)
 
+    def prefetch_first(self, params: dict, full_flats: dict | None) -> None:
+        """A model call starts (stage 3): gather the first block ahead.
+
+        Forward gathers follow layout order whatever this rank runs: entering block i issues every
+        block up to i+1 not issued yet (a skipped block's gather is made and dropped), and the call's
+        end issues the rest (`finish_call`). So every rank issues the gathers of blocks 0, 1, ..., n-1,
+        each once, in that order, even where ranks run different blocks (a branch chosen by rank, a
+        block skipped by data), and no gather pairs with another unit's.
+        """
+        self.issued = -1
+        if full_flats is None and self.mode == "autograd" and not in_backward():
+            self._issue_upto(0, params)
+
+    def finish_call(self, params: dict, full_flats: dict | None) -> None:
+        """A model call ended: issue the gathers of the blocks it skipped at its end (see `prefetch_first`)."""
+        if full_flats is None and self.mode == "autograd" and not in_backward():
+            self._issue_upto(len(self.blocks) - 1, params)
+
+    def _issue_upto(self, index: int, params: dict) -> None:
+        for j in range(self.issued + 1, min(index, len(self.blocks) - 1) + 1):
+            self._prefetch("forward", j, params)
+        self.issued = max(self.issued, min(index, len(self.blocks) - 1))
+
     def _gathered(self, unit: UnitLayout, data: torch.Tensor, phase: str, params: dict,
                   recomputed: bool) -> torch.Tensor:
         """Block ``unit``'s full flat buffer (prefetched, or gathered now); prefetch the next block."""
+        i = self.position[unit.name]
+        if phase == "forward" and i > self.issued:
+            self._issue_upto(i, params)  # blocks this rank skipped, and this one
         ready = self.prefetched.pop((phase, unit.name), None)
         full = ready.result() if ready is not None else self.comm.all_gather(data, tag=unit.name)
-        i = self.position[unit.name]
         if phase == "forward":
-            self._prefetch("forward", i + 1, params)
+            self._issue_upto(i + 1, params)
             if i == len(self.blocks) - 1 and recomputed:
                 self._prefetch("backward", i, params)  # backward's recomputes start with the last block
         elif recomputed:
@@ -205,9 +282,11 @@ class Units:
         if full is None:
             if full_flats is not None:
                 full = full_flats[unit.name]
+            elif phase == "backward":
+                self.backward_begins()
+                full = self._gathered(unit, unit.shard_data(slices, self.rank), phase, params, recomputed)
             elif unit.name == ROOT:
                 full = self.comm.all_gather(unit.shard_data(slices, self.rank), tag=unit.name)
-                self._prefetch("forward", 0, params)
             else:
                 full = self._gathered(unit, unit.shard_data(slices, self.rank), phase, params, recomputed)
         grad = torch.is_grad_enabled() and any(slices[k].requires_grad for k in unit.keys)
@@ -217,9 +296,34 @@ class Units:
             use.uses += 1
         if not grad:
             return dict(zip(unit.keys, unit.strided_views(full)))
-        reducer = Reducer(self.comm, unit, use, buffer)
+        reducer = Reducer(self, unit, use, buffer)
         return dict(zip(unit.keys, UnitViews.apply(dist.Holder(full), unit, self.rank, reducer,
                                                    *(slices[k] for k in unit.keys))))
+
+    def outside(self, params: dict, full_flats: dict | None) -> Callable[[str], torch.Tensor]:
+        """key -> the full parameter, for a block's parameter used outside its block (a weight shared with
+        another block or a layer outside, `zfunc.functional.OutsideItsBlock`): its unit's views, made on
+        demand (stage 3 gathers the unit then) and counted as one more use of the unit, so its gradient
+        joins the unit's one reduction. Within one forward, one use per unit and call."""
+        unit_of = self.layout.unit_of()
+        made: dict[str, dict] = {}
+
+        def resolve(key: str) -> torch.Tensor:
+            unit = unit_of[key]
+            views = None if in_backward() else made.get(unit.name)
+            if views is None:
+                slices = {k: params[k] for k in unit.keys}
+                full = None
+                if full_flats is None and self.mode == "autograd":
+                    if in_backward():
+                        self.backward_begins()
+                    full = self.comm.all_gather(unit.shard_data(slices, self.rank), tag=unit.name)
+                views = self.views(unit, slices, params, full_flats, recomputed=False, full=full)
+                if not in_backward():
+                    made[unit.name] = views
+            return views[key]
+
+        return resolve
 
     def _composable_views(self, unit: UnitLayout, slices: dict, params: dict, full_flats: dict | None) -> dict:
         flat_shard = unit.cat_shard(slices, self.rank)
@@ -233,24 +337,30 @@ class Units:
 
     # -- a block's body -------------------------------------------------------------
     def block_body(self, unit: UnitLayout, local: dict[str, str], body: Callable, params: dict,
-                   full_flats: dict | None, recomputed: bool) -> Callable:
-        """``body`` (the block's own forward on its params) run on gathered views of ``unit``."""
+                   full_flats: dict | None, recomputed: bool,
+                   outside: Callable[[str], torch.Tensor] | None = None) -> Callable:
+        """``body`` (the block's own forward on its params) run on gathered views of ``unit``; a
+        parameter of the block that belongs to another unit (tied across blocks) comes from ``outside``."""
+        own = set(unit.keys)
+        foreign = {n: k for n, k in local.items() if k not in own}
+        mine = {n: k for n, k in local.items() if k in own}
 
         def gathered_body(block_params: dict, *args, **kwargs):
-            slices = {local[n]: t for n, t in block_params.items()}
+            slices = {mine[n]: t for n, t in block_params.items() if n in mine}
+            extra = {n: outside(k) for n, k in foreign.items()} if foreign else {}
             release = (full_flats is None and not recomputed and self.reshard == "release"
                        and self.mode == "autograd" and torch.is_grad_enabled() and not in_backward())
             if release:
-                return self._released_body(unit, local, body, slices, params, args, kwargs)
+                return self._released_body(unit, mine, body, slices, params, args, kwargs, extra)
             views = self.views(unit, slices, params, full_flats, recomputed)
-            return _run_checked(body, {n: views[k] for n, k in local.items()}, args, kwargs, views, unit)
+            return _run_checked(body, {**{n: views[k] for n, k in mine.items()}, **extra}, args, kwargs, views, unit)
 
         return gathered_body
 
-    def _released_body(self, unit, local, body, slices, params, args, kwargs):
+    def _released_body(self, unit, local, body, slices, params, args, kwargs, extra=None):
         data = unit.shard_data(slices, self.rank)
         full = self._gathered(unit, data, "forward", params, recomputed=False)
-        buffer = ReleasedBuffer(full, data, self.comm, unit.name)
+        buffer = ReleasedBuffer(full, data, self.comm, unit.name, before_refill=self.backward_begins)
         self.released[unit.name] = buffer
         i = self.position[unit.name]
 
@@ -260,10 +370,13 @@ class Units:
                 previous.refill(asynchronous=True)
 
         views = self.views(unit, slices, params, None, recomputed=False, buffer=buffer, full=full)
-        block_params = {n: views[k] for n, k in local.items()}
+        block_params = {**{n: views[k] for n, k in local.items()}, **(extra or {})}
 
         def run(bp, *a, **kw):
-            return _run_checked(body, bp, a, kw, views, unit)
+            out = _run_checked(body, bp, a, kw, views, unit)
+            if not _only_known_leaves(out):
+                buffer.keep = True  # an output zfunc cannot look inside may hold a view: never release it
+            return out
 
         return around_block(buffer, run, block_params, args, kwargs, refill_previous_block)
 
@@ -285,12 +398,23 @@ def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, 
     return _detach_from(out, base)
 
 
+def _only_known_leaves(out: Any) -> bool:
+    """Whether every leaf of a block's output is a tensor or a plain value (torch's pytree sees into
+    tuples, dicts, dataclass-like model outputs); an opaque object may hide a view of the parameters."""
+    import torch.utils._pytree as torch_pytree  # noqa: PLC0415
+
+    leaves, _ = torch_pytree.tree_flatten(out)
+    return all(x is None or isinstance(x, (torch.Tensor, bool, int, float, complex, str)) for x in leaves)
+
+
 def _detach_from(out: Any, base: torch.Tensor) -> Any:
     """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy."""
-    leaves, spec = tree_flatten(out)
+    import torch.utils._pytree as torch_pytree  # noqa: PLC0415
+
+    leaves, spec = torch_pytree.tree_flatten(out)
     ptr = base.untyped_storage().data_ptr()
     changed = False
     for i, x in enumerate(leaves):
         if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() == ptr:
             leaves[i], changed = x.clone(), True
-    return tree_unflatten(spec, leaves) if changed else out
+    return torch_pytree.tree_unflatten(leaves, spec) if changed else out
