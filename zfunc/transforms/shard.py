@@ -58,9 +58,11 @@ import torch
 
 from zfunc import dist
 from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_layout import (
     ROOT,
     ShardLayout,
+    is_param_shaped,
     make_layout,
     map_param_shaped,
     merge_units,
@@ -135,6 +137,7 @@ class shard(Transform):  # noqa: N801
         super().__init__(step)
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
         self.reshard, self.timeout, self.verify = reshard, timeout, verify
+        self.stack.facts  # noqa: B018 - the stack is checked when it is built (e.g. offload(params="host") needs stage 3)
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stage": self.stage}
@@ -155,23 +158,20 @@ class shard(Transform):  # noqa: N801
         if "shard" in state.extras:
             raise ValueError("shard.init: this state is already sharded; pass the plain state from TrainState.create")
         group = self._group()
-        params = state.params
-        layout = make_layout(params, self.stage, group.size, group.rank, self.units, state.blocks)
+        layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
         _agree_on_structure(self, state, layout, group)
         state = _from_rank_zero(state, group)
-        state = self._place(state, group)
         _warn_about_root(layout)
-        keys = set(params)
-        partition = lambda tree: _partition(tree, layout)  # noqa: E731
-        opt_state = map_param_shaped(state.opt_state, keys, partition)
-        extras = map_param_shaped(dict(state.extras), keys, partition)
-        if self.stage == 3:
-            new_params = _partition(state.params, layout)
-        else:  # full parameters, stored as views of one flat buffer per unit
-            new_params = {}
-            for unit in layout.units:
-                new_params.update(unit.full_views(unit.pack_full(state.params)))
-        return state.replace(params=new_params, opt_state=opt_state, extras={**extras, "shard": layout})
+        placement = self._placement(layout, group)
+        keys = set(state.params)
+        pieces = []
+        for unit in layout.units:  # one unit at a time: its part of every param-shaped dict
+            part = lambda tree, unit=unit: {k: tree[k] for k in unit.keys}  # noqa: E731
+            sub = state.replace(params=part(state.params), opt_state=map_param_shaped(state.opt_state, keys, part),
+                                extras=map_param_shaped(dict(state.extras), keys, part))
+            pieces.append(self._partition_unit(sub, layout, unit, placement))
+        merged = merge_units(pieces, list(state.params))
+        return self._finish(merged, state, layout, placement, group)
 
     def init_meta(self, state, init_device):
         """A meta-built model: values drawn unit by unit (`zfunc.materialize`); each complete unit goes
@@ -182,6 +182,7 @@ class shard(Transform):  # noqa: N801
         _agree_on_structure(self, state, layout, group)
         _same_random_stream(group, torch.device(init_device))
         _warn_about_root(layout)
+        placement = self._placement(layout, group)
         pieces = []
 
         def take(name: str, values: dict[str, torch.Tensor]) -> None:
@@ -189,38 +190,51 @@ class shard(Transform):  # noqa: N801
             sub = type(state).create({k: values[k] for k in unit.keys}, state.tx)
             del values
             sub = self.step.init(sub) if isinstance(self.step, Transform) else sub
-            pieces.append(self._partition_unit(self._place(sub, group), layout, unit))
+            pieces.append(self._partition_unit(sub, layout, unit, placement))
 
         state.materializer.run({u.name: frozenset(u.keys) for u in layout.units}, take, init_device, group.device)
         merged = merge_units(pieces, list(state.params))
-        return merged.replace(extras={**merged.extras, "shard": layout}, ties=state.ties, blocks=state.blocks)
+        return self._finish(merged.replace(ties=state.ties, blocks=state.blocks), state, layout, placement, group)
 
-    def _partition_unit(self, state, layout: ShardLayout, unit):
-        """``state`` (one unit's keys, full tensors, inner layout) as this rank's share of ``unit``."""
+    def _placement(self, layout: ShardLayout, group: dist.Group) -> Placement:
+        facts = self.stack.facts
+        return Placement([(u.name, u.shard_size) for u in layout.units], facts.optimizer_split, group.device,
+                         facts.params_tier, facts.nvme_dir)
+
+    def _partition_unit(self, state, layout: ShardLayout, unit, placement: Placement):
+        """``state``'s part for ``unit`` (full tensors, inner transforms' layout) as this rank's share, each
+        kind of tensor on its tier (`zfunc.tiers.placement`): parameters where the stack computes (stage 3:
+        where parameter shards live), optimizer state and masters on the unit's tier."""
         keys = set(unit.keys)
 
-        def partition(tree: dict) -> dict:
-            full = unit.pack_full(tree)
-            return unit.shard_views(unit.rank_region(full, layout.rank).clone(), layout.rank)
+        def optimizer(tree: dict) -> dict:
+            region = unit.rank_region(unit.pack_full(tree), layout.rank)
+            return unit.shard_views(placement.optimizer_tensor(unit.name, region), layout.rank)
 
-        opt_state = map_param_shaped(state.opt_state, keys, partition)
-        extras = map_param_shaped(dict(state.extras), keys, partition)
-        params = partition(state.params) if self.stage == 3 else unit.full_views(unit.pack_full(state.params))
-        return state.replace(params=params, opt_state=opt_state, extras=extras)
+        opt_state = map_param_shaped(state.opt_state, keys, optimizer)
+        extras = map_param_shaped(dict(state.extras), keys, optimizer)
+        params = {k: state.params[k] for k in unit.keys}
+        if self.stage == 3:
+            flat = placement.params_tensor(unit.rank_region(unit.pack_full(params), layout.rank))
+            new_params = unit.shard_views(flat, layout.rank)
+            for view in new_params.values():
+                view._zfunc_owner = flat  # keeps a pinned buffer's registration as long as its views live
+        else:  # full parameters, stored as views of one flat buffer per unit
+            new_params = unit.full_views(unit.pack_full(params).to(placement.device))
+        return state.replace(params=new_params, opt_state=opt_state, extras=extras)
 
-    def _place(self, state, group: dist.Group):
-        """The state where the stack says it lives: on an NCCL group, the parameters (and, unless an
-        inner `offload` keeps them on the host, the optimizer state and masters) on this rank's GPU."""
-        if group.device.type != "cuda":
-            return state
-        device = group.device
-        on_device = lambda t: t.to(device) if t.device != device else t  # noqa: E731
-        params = tree_map_tensors(on_device, state.params)
-        if self.stack.facts.optimizer_tier == "device":
-            return state.replace(params=params, step=on_device(state.step),
-                                 opt_state=tree_map_tensors(on_device, state.opt_state),
-                                 extras=tree_map_tensors(on_device, state.extras))
-        return state.replace(params=params)
+    def _finish(self, merged, state, layout: ShardLayout, placement: Placement, group: dist.Group):
+        """The merged units' state, with the shard layout recorded and the small replicated tensors
+        (step, counts, loss scale) on the compute device when the whole optimizer state is there."""
+        merged = merged.replace(extras={**merged.extras, "shard": layout}, ties=state.ties, blocks=state.blocks)
+        if group.device.type == "cuda" and self.stack.facts.optimizer_split[0] >= 1.0:
+            keys = set(state.params)
+            on_device = lambda t: t.to(group.device)  # noqa: E731
+            small = lambda tree: tree_map_tensors(on_device, tree)  # noqa: E731
+            merged = merged.replace(step=on_device(merged.step),
+                                    opt_state=_map_small(merged.opt_state, keys, small),
+                                    extras=_map_small(merged.extras, keys, small))
+        return merged
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
         layout, group = self._check_layout(state)
@@ -410,13 +424,17 @@ def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
     return wrapped
 
 
-def _partition(tree: dict[str, torch.Tensor], layout: ShardLayout) -> dict[str, torch.Tensor]:
-    """This rank's 1-D slices of a dict of full tensors, as views of new flat shards."""
-    out = {}
-    for unit in layout.units:
-        full = unit.pack_full(tree)
-        out.update(unit.shard_views(unit.rank_region(full, layout.rank).clone(), layout.rank))
-    return out
+def _map_small(tree, keys: set, fn):
+    """``tree`` with ``fn`` applied to everything but its param-shaped dicts (which stay where placed)."""
+    if is_param_shaped(tree, keys):
+        return tree
+    if isinstance(tree, dict):
+        return {k: _map_small(v, keys, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*(_map_small(v, keys, fn) for v in tree))
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_map_small(v, keys, fn) for v in tree)
+    return fn(tree) if isinstance(tree, torch.Tensor) else tree
 
 
 def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dist.Group) -> None:
