@@ -13,12 +13,13 @@ from zfunc import deepspeed, io, optim, tree
 from zfunc.autodiff import grad, value_and_grad
 from zfunc.functional import FunctionalModel, ModelCall, functional
 from zfunc.interpret import Transform, gather, init, psum
+from zfunc.plan import MemoryPlan, describe, plan
 from zfunc.state import TrainState
 from zfunc.transforms.accumulate import accumulate
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FunctionalModel", "ModelCall", "TrainState", "Transform", "accumulate", "deepspeed", "functional", "gather",
-    "grad", "init", "io", "optim", "psum", "tree", "value_and_grad",
+    "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "deepspeed", "describe", "functional", "gather",
+    "grad", "init", "io", "optim", "plan", "psum", "tree", "value_and_grad",
 ]

@@ -92,6 +92,9 @@ class Facts:
       params_tier: where parameter shards live between their uses (stage 3).
       fused_update: whether the optimizer may run as a fused in-place kernel (the stack owns the
         state's buffers, which the step consumes); False keeps the pure pytree update.
+      micro_batches: forward/backward passes per update (`accumulate`).
+      recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
+        with ``reshard="recompute"``): activations of one block, not of all.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -104,6 +107,8 @@ class Facts:
     nvme_dir: str | None = None
     params_tier: Tier = "device"
     fused_update: bool | None = None  # None: nobody declared; the pure update
+    micro_batches: int = 1
+    recompute: bool = False
 
     def replace(self, **changes: Any) -> "Facts":
         return dataclasses.replace(self, **changes)

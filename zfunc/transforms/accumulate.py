@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from zfunc.interpret import Transform
+from zfunc.interpret import Facts, Transform
 from zfunc.tree import tree_flatten, tree_map, tree_unflatten
 
 
@@ -42,6 +42,9 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
 
     def settings(self) -> dict[str, Any]:
         return {"micro_batches": self.micro_batches}
+
+    def declare(self, facts: Facts) -> Facts:
+        return facts.replace(micro_batches=facts.micro_batches * self.micro_batches)
 
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
         k = self.micro_batches

@@ -74,7 +74,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.functional import select_blocks
-from zfunc.interpret import Transform
+from zfunc.interpret import Facts, Transform
 from zfunc.recompute import recompute
 from zfunc.tree import tree_leaves
 
@@ -194,6 +194,9 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
             out["modules"] = self.modules
         out["policy"] = str(self.policy)
         return out
+
+    def declare(self, facts: Facts) -> Facts:
+        return facts.replace(recompute=True)
 
     def start(self, ctx, state) -> _Counts:
         return _Counts()

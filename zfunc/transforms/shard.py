@@ -148,7 +148,8 @@ class shard(Transform):  # noqa: N801
         return out
 
     def declare(self, facts: Facts) -> Facts:
-        return facts.replace(stage=self.stage, fused_update=True if facts.fused_update is None else facts.fused_update)
+        return facts.replace(stage=self.stage, fused_update=True if facts.fused_update is None else facts.fused_update,
+                             recompute=facts.recompute or (self.stage == 3 and self.reshard == "recompute"))
 
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group, self.timeout)

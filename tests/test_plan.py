@@ -1,0 +1,126 @@
+"""zf.plan: the model state it predicts is the state `step.init` builds (per tier, per rank), its activation
+measurement on fake tensors equals the same measurement on real tensors, the placement it chooses fits the
+budgets and is the placement offload then builds; `zfunc plan` prints it for a meta-built model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import zfunc as zf
+from tests.models import lm_loss, make_batch, tiny_lm_step
+from zfunc.plan import _LiveBytes, measure_activations
+from zfunc.testing import run_distributed
+from zfunc.transforms import checkpoint, mixed_precision, offload, shard
+
+# The optimizer's scalars (step count, loss scale, policy codes) are in the state but not per parameter.
+SCALARS = 128
+
+
+def _stacks(step, nvme_dir):
+    return {
+        "s3-offload-bf16": shard(offload(mixed_precision(step, "bf16")), stage=3),
+        "s3-nvme-half": shard(offload(step, nvme_fraction=0.5, nvme_dir=nvme_dir), stage=3),
+        "s3-params-host": shard(offload(step, params="host", device_fraction=0.25), stage=3),
+        "s2": shard(step, stage=2),
+        "s2-device-share": shard(offload(mixed_precision(step, "fp16"), device_fraction=0.5), stage=2),
+        "s1-offload-bf16": shard(offload(mixed_precision(step, "bf16")), stage=1),
+    }
+
+
+def _planned_and_built(nvme_dir):
+    model, params, step = tiny_lm_step(width=24, hidden=37, depth=4)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    out = {}
+    for name, stack in _stacks(step, nvme_dir).items():
+        planned = zf.plan(stack, loss_fn, make_batch(), params, measure=False, baseline=0)
+        built = zf.describe(stack.init(zf.TrainState.create(params, zf.optim.adamw(1e-3))))
+        out[name] = ({t: (b.params, b.optimizer) for t, b in planned.tiers.items()},
+                     {t: (b.params, b.optimizer) for t, b in built.items()})
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_planned_model_state_is_the_state_init_builds(world, tmp_path):
+    # On the CPU the "gpu" tier is host memory too: the plan's GPU and host add up to the host measured;
+    # NVMe (memory-mapped files) is its own tier and must match alone.
+    for per_rank in run_distributed(_planned_and_built, world, str(tmp_path)):
+        for name, (planned, built) in per_rank.items():
+            assert planned["gpu"][0] + planned["host"][0] == built["host"][0], name
+            optimizer = planned["gpu"][1] + planned["host"][1]
+            assert 0 <= built["host"][1] - optimizer <= SCALARS, (name, planned, built)
+            assert planned["nvme"][1] == built["nvme"][1], name
+
+
+def test_fake_measurement_equals_the_real_one():
+    model, params, _ = tiny_lm_step(width=32, hidden=48, depth=3)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    batch = make_batch(batch=16, seq=12)
+    fake = measure_activations(loss_fn, batch, params, torch.float32, recompute=False, blocks=None)
+    tracker = _LiveBytes()
+    with tracker:
+        zf.value_and_grad(loss_fn)({k: v.detach().clone() for k, v in params.items()}, batch)
+    assert fake == tracker.peak > 0
+
+
+def test_recompute_and_smaller_batches_need_fewer_activations():
+    model, params, step = tiny_lm_step(width=64, hidden=256, depth=6)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    batch = make_batch(batch=32, seq=64)
+    plain = zf.plan(shard(step, stage=3), loss_fn, batch, params, baseline=0).tiers["gpu"].activations
+    recomputed = zf.plan(shard(checkpoint(step), stage=3), loss_fn, batch, params, baseline=0).tiers["gpu"]
+    half = zf.plan(shard(step, stage=3), loss_fn, make_batch(batch=16, seq=64), params, baseline=0)
+    assert recomputed.activations < 0.6 * plain
+    assert 0.4 * plain < half.tiers["gpu"].activations < 0.6 * plain
+    # bf16 halves what the blocks keep (the loss stays fp32 on its logits).
+    bf16 = zf.plan(shard(mixed_precision(step, "bf16"), stage=3), loss_fn, batch, params, baseline=0)
+    assert bf16.tiers["gpu"].activations < 0.75 * plain
+
+
+def test_the_chosen_placement_fits_and_is_what_offload_builds(tmp_path):
+    model, params, step = tiny_lm_step(width=24, hidden=37, depth=6)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    stack = shard(offload(step), stage=3)
+    everything = zf.plan(stack, loss_fn, make_batch(), params, baseline=0)
+    state_bytes = everything.tiers["host"].optimizer
+    need = everything.tiers["gpu"].peak  # params, grads, activations, in flight: no optimizer on the GPU
+    # Room on the GPU for about a third of the optimizer state, on the host for another third.
+    gpu_bytes = int((need + state_bytes / 3) / 0.92)  # the plan leaves 8% to the allocator
+    host_bytes = int((state_bytes / 3 + everything.tiers["host"].buffers) / 0.9)  # 10% of the host, chunk buffers
+    planned = zf.plan(stack, loss_fn, make_batch(), params, baseline=0, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                      nvme_bytes=1 << 30)
+    assert planned.tiers["gpu"].peak <= gpu_bytes
+    assert planned.tiers["host"].optimizer <= state_bytes / 3 + 1
+    assert 0 < planned.offload_kwargs["device_fraction"] < 1 and 0 < planned.offload_kwargs["nvme_fraction"] < 1
+    assert not any("plan needs" in n or "does not fit" in n for n in planned.notes), planned.notes
+    assert any("nvme_dir" in n for n in planned.notes)
+    built = zf.describe(shard(offload(step, nvme_dir=str(tmp_path), **planned.offload_kwargs), stage=3)
+                        .init(zf.TrainState.create(params, zf.optim.adamw(1e-3))))
+    assert built["nvme"].optimizer == planned.tiers["nvme"].optimizer > 0
+    assert "memory plan per rank" in str(planned) and "nvme" in str(planned)
+
+
+def test_a_plan_that_cannot_fit_says_so():
+    model, params, step = tiny_lm_step()
+    loss_fn = lm_loss(zf.functional(model)[0])
+    tight = zf.plan(shard(offload(step), stage=3), loss_fn, make_batch(), params, baseline=0, gpu_bytes=1,
+                    host_bytes=1, nvme_bytes=1)
+    assert tight.placement["params"] == "host"
+    assert any("does not fit" in n for n in tight.notes)
+    assert any(n.startswith("gpu: the plan needs") for n in tight.notes)
+
+
+def test_plan_cli_on_a_meta_built_model(tmp_path, monkeypatch, capsys):
+    (tmp_path / "planned_model.py").write_text(
+        "from tests.models import TinyLM\n\ndef build():\n    return TinyLM(vocab=50, width=16, hidden=40, depth=2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from zfunc.cli import main
+
+    assert main(["plan", "planned_model:build", "--batch", "4x8", "--checkpoint", "--offload", "--gpu-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan per rank" in out and "activations" in out
+    assert main(["plan", "planned_model:build", "--batch", "4by8"]) == 2
+    assert "expected BATCHxSEQ" in capsys.readouterr().err
+    sys.modules.pop("planned_model", None)

@@ -1,0 +1,3 @@
+from zfunc.cli import main
+
+raise SystemExit(main())

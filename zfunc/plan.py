@@ -1,0 +1,405 @@
+"""A memory plan you can read before running: `plan`, and the actual placement of a state: `describe`.
+
+``zf.plan(step, loss_fn, batch)`` takes the step stack, the loss function (it
+calls the model's ``apply_fn``; the model may be built on the meta device), one
+rank's batch, the world size and the memory each tier has, and returns a
+`MemoryPlan`: per tier (GPU, host, NVMe) and per rank, the bytes of
+parameters, gradients, optimizer state, activations and buffers, and the
+predicted peak; with ``offload(...)`` in the stack and budgets given, also the
+placement that fits (`MemoryPlan.offload_kwargs`).
+
+What is counted, and how (Ψ parameters, N ranks; sizes from the shard layout,
+padding included):
+
+- model state, exactly, from the stack's declared facts (`zfunc.interpret.Facts`)
+  and the shard layout: parameters in the compute dtype (stage 3: this rank's
+  shards), gradients kept for the update (stages 2 and 3: shards of the reduce
+  dtype; stages 0 and 1: the full gradient), fp32 moments and master (12 bytes
+  per parameter, or 8 when the parameters are the fp32 master) split over the
+  tiers by the offload shares, whole units at a time (`zfunc.tiers.placement`);
+- activations, measured: the loss function runs forward and backward once on
+  fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes and
+  dtypes, no memory, any model size), and the peak of the live bytes it
+  allocates is taken, with the model's blocks recomputed when the stack
+  recomputes them; one micro-batch at a time, as `accumulate` runs them;
+- buffers, held during a step: at stage 3 the root unit and two block units
+  gathered (one in use, one prefetched), a unit's full gradient and its
+  reduce-dtype copy in flight, the host update's chunk buffers
+  (`zfunc.optim.streamed`), and the process's own resident memory before
+  training (``baseline``: torch, the CUDA context).
+
+DeepSpeed's estimators (``estimate_zero3_model_states_mem_needs_*``) count
+model states only; activations are most of the memory of a long sequence.
+BENCHMARKS.md lists this plan's predicted GPU peaks beside the measured ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from zfunc.interpret import Facts, Transform
+from zfunc.optim.streamed import CHUNK
+from zfunc.tiers.placement import Placement
+from zfunc.transforms.shard_layout import ROOT, make_layout
+from zfunc.tree import tree_leaves, tree_map
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TierBytes:
+    """Bytes on one tier of one rank, by kind; ``peak`` is their sum (what must fit).
+
+    ``params``, ``grads`` and ``optimizer`` are what the state keeps between steps (`describe` measures
+    the same for a real state); ``activations`` and ``buffers`` (units gathered or reduced in flight,
+    the host update's chunk buffers, the process's own memory) are held during a step.
+    """
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    buffers: int = 0
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per tier and rank (`TierBytes` for "gpu", "host", "nvme"), what was assumed, and the placement.
+
+    Attributes:
+      tiers: ``{"gpu": TierBytes, "host": ..., "nvme": ...}``.
+      parameters: Ψ, the trainable parameters.
+      world_size: N.
+      facts: the stack's facts the plan assumed.
+      placement: the optimizer shares (device, host, nvme) and where stage 3 keeps parameters.
+      notes: what the plan could not fit, or assumed.
+    """
+
+    tiers: dict[str, TierBytes]
+    parameters: int
+    world_size: int
+    facts: Facts
+    placement: dict[str, Any]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def offload_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `offload` for this plan's placement."""
+        out = {k: v for k, v in self.placement.items() if k in ("device_fraction", "nvme_fraction", "params")}
+        return out
+
+    def bytes_per_parameter(self, tier: str) -> float:
+        return self.tiers[tier].peak / max(1, self.parameters / self.world_size)
+
+    def __str__(self) -> str:
+        rows = [("tier", "params", "grads", "optimizer", "activations", "buffers", "peak", "bytes/param")]
+        for name, t in self.tiers.items():
+            rows.append((name, *(f"{x / GiB:.2f}" for x in (t.params, t.grads, t.optimizer, t.activations,
+                                                              t.buffers, t.peak)),
+                         f"{self.bytes_per_parameter(name):.1f}"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+        head = (f"memory plan per rank (GiB): {self.parameters / 1e9:.2f}B parameters, world size {self.world_size}, "
+                f"stage {self.facts.stage}, compute {_name(self.facts.compute_dtype)}, "
+                f"placement {self.placement}")
+        return "\n".join([head, *lines, *(f"note: {n}" for n in self.notes)])
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return "fp32" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], *,
+         world_size: int | None = None, blocks: list[str] | None = None, units: list[str] | None = None,
+         gpu_bytes: int | None = None, host_bytes: int | None = None, nvme_bytes: int | None = None,
+         measure: bool = True, baseline: int | None = None) -> MemoryPlan:
+    """The memory plan of ``step`` (see the module docstring).
+
+    Args:
+      step: the transformed step (its stack's facts say what is sharded, cast, offloaded, recomputed).
+      loss_fn: ``loss_fn(params, batch) -> loss``, calling the model's ``apply_fn`` (measured on fake tensors).
+      batch: one rank's batch for one micro-batch (tensors, or ``torch.empty`` shapes; any device).
+      params: the model's trainable parameters (`zf.functional`'s; meta tensors are enough).
+      world_size: N (default: the current process group's size).
+      blocks, units: the model's blocks (default: recorded on ``params`` by `zf.functional`) and shard's
+        ``units=`` if given.
+      gpu_bytes, host_bytes, nvme_bytes: what each tier may hold per rank; with them and `offload` in
+        the stack, the plan chooses the optimizer shares and where parameters live (``placement``).
+      measure: measure activations (else they count as 0).
+      baseline: the process's resident bytes before training (default: measured now).
+    Returns:
+      The `MemoryPlan`.
+    """
+    facts = step.stack.facts if isinstance(step, Transform) else Facts()
+    if world_size is None:
+        import torch.distributed as tdist
+
+        world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+    stage = facts.stage
+    blocks = blocks if blocks is not None else getattr(params, "blocks", None)
+    layout = make_layout(params, max(stage, 1), world_size, 0, units, blocks)
+    psi = sum(u.numel for u in layout.units)
+    compute = facts.compute_dtype or next(iter(params.values())).dtype
+    cb = _bytes(compute)
+    reduce_b = _bytes(facts.reduce_dtype or compute)
+    shard_elems = sum(u.shard_size for u in layout.units)
+    master_b = 4 if facts.compute_dtype not in (None, torch.float32) else 0  # a separate fp32 master
+    opt_b = 8 + master_b  # m and v (+ the master) per parameter, fp32
+    biggest_block = max((u.padded for u in layout.units if u.name != ROOT), default=0)
+    root = sum(u.padded for u in layout.units if u.name == ROOT)
+    activations = measure_activations(loss_fn, batch, params, compute, facts.recompute, blocks) if measure else 0
+    notes = []
+    baseline = _resident_bytes() if baseline is None else baseline
+
+    def on_gpu(params_tier: str) -> tuple[int, int, int]:
+        """(params, grads, in flight) on the GPU: what the state holds between steps and what a step holds
+        for a while (units gathered or reduced in flight)."""
+        if stage == 3:
+            return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * reduce_b,
+                    (root + 2 * biggest_block) * cb + biggest_block * (cb + reduce_b))
+        padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
+        if stage == 2:
+            return padded, shard_elems * reduce_b, biggest_block * (cb + reduce_b)
+        return (padded, psi * cb, 0) if stage == 1 else (psi * cb, psi * cb, 0)
+
+    split, params_tier = facts.optimizer_split, facts.params_tier
+    offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
+    if offloading and gpu_bytes is not None and stage >= 1:
+        split, params_tier, fit_notes = _fit(on_gpu, shard_elems, max(u.shard_size for u in layout.units), opt_b, cb, activations, stage == 3,
+                                             gpu_bytes, host_bytes, nvme_bytes, baseline)
+        notes += fit_notes
+    placement = Placement([(u.name, u.shard_size) for u in layout.units], split, torch.device("cpu"), params_tier)
+    share = {tier: sum(u.shard_size for u in layout.units if placement.tiers[u.name] == tier)
+             for tier in ("device", "host", "nvme")}
+    if stage == 0:
+        share = {"device": psi, "host": 0, "nvme": 0} if not offloading else {"device": 0, "host": psi, "nvme": 0}
+    gpu_params, gpu_grads, in_flight = on_gpu(params_tier)
+    chunk_buffers = _CHUNK_BUFFERS * min(CHUNK, max(shard_elems, 1)) * 4 if share["host"] + share["nvme"] else 0
+    tiers = {
+        "gpu": TierBytes(gpu_params, gpu_grads, share["device"] * opt_b, activations, in_flight),
+        "host": TierBytes((shard_elems * cb if params_tier == "host" and stage == 3 else 0), 0,
+                          share["host"] * opt_b, 0, chunk_buffers + baseline),
+        "nvme": TierBytes(0, 0, share["nvme"] * opt_b, 0, 0),
+    }
+    for tier, budget in (("gpu", gpu_bytes), ("host", host_bytes), ("nvme", nvme_bytes)):
+        if budget is not None and tiers[tier].peak > budget:
+            notes.append(f"{tier}: the plan needs {tiers[tier].peak / GiB:.1f} GiB, {budget / GiB:.1f} GiB is there")
+    device_fraction = share["device"] / max(1, shard_elems)
+    nvme_fraction = share["nvme"] / max(1, shard_elems)
+    return MemoryPlan(tiers, psi, world_size, facts,
+                      {"device_fraction": round(device_fraction, 4), "nvme_fraction": round(nvme_fraction, 4),
+                       "params": params_tier}, tuple(notes))
+
+
+_CHUNK_BUFFERS = 4  # the streamed host update's double-buffered chunks: gradients in, parameters out
+_GPU_SLACK = 0.92  # of the GPU budget, the rest for the caching allocator's fragmentation
+_HOST_SLACK = 0.90  # of the host budget, the rest for the page cache and the data loader
+
+
+def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_bytes, host_bytes, nvme_bytes, baseline):
+    """The optimizer shares and parameter tier that fit the budgets: the GPU first, then the host, then NVMe;
+    at stage 3, parameters move to the host only when the GPU cannot hold them with the activations."""
+    notes = []
+    params_tier = "device"
+    room = gpu_bytes * _GPU_SLACK - sum(on_gpu("device")) - activations
+    if room < 0 and stage3:
+        params_tier, room = "host", gpu_bytes * _GPU_SLACK - sum(on_gpu("host")) - activations
+        notes.append("parameters kept on the host: the GPU cannot hold them with the activations")
+    device_share = max(0.0, min(1.0, room / max(1, shard_elems * opt_b)))
+    rest = 1.0 - device_share
+    host_room = (host_bytes if host_bytes is not None else math.inf) * _HOST_SLACK - baseline - \
+        (shard_elems * cb if params_tier == "host" else 0) - _CHUNK_BUFFERS * min(CHUNK, shard_elems) * 4
+    host_share = max(0.0, min(rest, host_room / max(1, shard_elems * opt_b)))
+    nvme_share = max(0.0, rest - host_share)
+    if nvme_share > 0:
+        # Units are placed whole, NVMe filled up to its share from the last unit back, and what is left
+        # goes to the host: one more unit's room on NVMe keeps the host within its share.
+        nvme_share = min(rest, nvme_share + biggest_unit / max(1, shard_elems))
+        notes.append("optimizer state on NVMe: give offload(..., nvme_dir=...) a directory on a local NVMe drive")
+    if nvme_share > 0 and nvme_bytes is not None and nvme_share * shard_elems * opt_b > nvme_bytes:
+        notes.append("the optimizer state does not fit on GPU, host and NVMe together")
+    return (device_share, 1.0 - device_share - nvme_share, nvme_share), params_tier, notes
+
+
+def _bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now (Linux), 0 where unknown."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# Activations, measured on fake tensors.
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors created while it is active (each storage once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.sizes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out) if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in self.sizes:
+                    self.sizes[key] = storage.nbytes()
+                    self.live += self.sizes[key]
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, key)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self.sizes.pop(key, 0)
+
+
+def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], dtype: torch.dtype,
+                        recompute: bool, blocks: list[str] | None) -> int:
+    """Peak bytes of what one forward and backward of ``loss_fn`` allocate beyond the parameters (activations,
+    gradients in flight), measured on fake tensors: no memory, no compute, any model size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from zfunc.autodiff import value_and_grad
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    device = _batch_device(batch)
+    with fake:
+        fake_params = {k: torch.empty(v.shape, dtype=dtype if v.is_floating_point() else v.dtype, device=device)
+                       for k, v in params.items()}
+        fake_batch = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)
+                              if isinstance(t, torch.Tensor) else t, batch)
+    model = _model_of(loss_fn)
+    restore = _fake_constants(model, fake, device, dtype) if model is not None else []
+    tracker = _LiveBytes()
+    try:
+        with fake, tracker:
+            loss_of = _with_recompute(loss_fn, blocks) if recompute and blocks else loss_fn
+            value_and_grad(loss_of)(fake_params, fake_batch)
+    finally:
+        for where, attr, original in restore:
+            where[attr] = original
+    return tracker.peak
+
+
+def _batch_device(batch: Any) -> torch.device:
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            return t.device
+    return torch.device("cpu")
+
+
+def _model_of(loss_fn: Callable, depth: int = 0):
+    """The module behind the apply function ``loss_fn`` uses (a closure or a global it names)."""
+    from zfunc.functional import FunctionalModel
+
+    if isinstance(loss_fn, FunctionalModel):
+        return loss_fn.model
+    code = getattr(loss_fn, "__code__", None)
+    values = [cell.cell_contents for cell in getattr(loss_fn, "__closure__", None) or ()]
+    if code is not None:
+        names = getattr(loss_fn, "__globals__", {})
+        values += [names[n] for n in code.co_names if n in names]
+    for value in values:
+        if isinstance(value, FunctionalModel):
+            return value.model
+    if depth < 3:
+        for value in values:
+            if callable(value) and value is not loss_fn and hasattr(value, "__code__"):
+                found = _model_of(value, depth + 1)
+                if found is not None:
+                    return found
+    return None
+
+
+def _fake_constants(model, fake, device, dtype) -> list:
+    """Frozen parameters and buffers as fake tensors for the measurement; returns what to put back."""
+    restore = []
+    with fake:
+        for module in model.modules():
+            for slots in (module._parameters, module._buffers):
+                for attr, t in list(slots.items()):
+                    if t is None or (t.requires_grad and slots is module._parameters):
+                        continue
+                    restore.append((slots, attr, t))
+                    made = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+                    slots[attr] = torch.nn.Parameter(made, requires_grad=False) if slots is module._parameters \
+                        else made
+    return restore
+
+
+def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
+    """``loss_fn`` run under a `checkpoint` transform of the model's blocks (zfunc's recompute, which hands a
+    block its parameters as inputs, so the recompute in backward still sees them)."""
+    from zfunc.interpret import _CONTEXT, StepContext
+    from zfunc.transforms.checkpoint import checkpoint
+
+    stack = checkpoint(lambda state, batch: (state, {}), modules=list(blocks))
+
+    def wrapped(params, batch):
+        ctx = StepContext(stack.stack)
+        ctx.scratch[id(stack)] = stack.start(ctx, None)
+        token = _CONTEXT.set(ctx)
+        try:
+            return loss_fn(params, batch)
+        finally:
+            _CONTEXT.reset(token)
+
+    return wrapped
+
+
+# ---------------------------------------------------------------------------
+# The actual placement of a state.
+
+
+def describe(state) -> dict[str, TierBytes]:
+    """Bytes of ``state`` per tier ("gpu", "host", "nvme": a file-backed host tensor) and kind, as placed now.
+
+    Parameters are ``state.params``; the optimizer state is ``state.opt_state`` plus the param-shaped
+    entries of ``state.extras`` (masters). Each storage counts once.
+    """
+    seen: set[int] = set()
+    totals = {t: {"params": 0, "optimizer": 0} for t in ("gpu", "host", "nvme")}
+
+    def add(tree, kind: str) -> None:
+        for t in tree_leaves(tree):
+            if not isinstance(t, torch.Tensor) or not t.numel() or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            tier = "gpu" if t.device.type == "cuda" else ("nvme" if _file_backed(storage) else "host")
+            totals[tier][kind] += storage.nbytes()
+
+    add(state.params, "params")
+    add((state.opt_state, state.extras), "optimizer")
+    return {t: TierBytes(params=v["params"], optimizer=v["optimizer"]) for t, v in totals.items()}
+
+
+def _file_backed(storage) -> bool:
+    try:
+        return bool(storage.filename)
+    except (AttributeError, RuntimeError):
+        return False
