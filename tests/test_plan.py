@@ -124,3 +124,13 @@ def test_plan_cli_on_a_meta_built_model(tmp_path, monkeypatch, capsys):
     assert main(["plan", "planned_model:build", "--batch", "4by8"]) == 2
     assert "expected BATCHxSEQ" in capsys.readouterr().err
     sys.modules.pop("planned_model", None)
+
+
+def test_describe_prints_the_same_table_and_step_plan_is_zf_plan():
+    model, params, step = tiny_lm_step()
+    loss_fn = lm_loss(zf.functional(model)[0])
+    stack = shard(offload(step), stage=3)
+    table = str(zf.describe(stack.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))))
+    assert table.splitlines()[0].split() == ["tier", "params", "grads", "optimizer", "activations", "buffers", "peak"]
+    assert stack.plan(loss_fn, make_batch(), params, baseline=0).tiers == \
+        zf.plan(stack, loss_fn, make_batch(), params, baseline=0).tiers

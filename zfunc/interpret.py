@@ -62,7 +62,8 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-from typing import Any, Callable, ClassVar, Literal, NamedTuple
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
@@ -110,14 +111,14 @@ class Facts:
     micro_batches: int = 1
     recompute: bool = False
 
-    def replace(self, **changes: Any) -> "Facts":
+    def replace(self, **changes: Any) -> Facts:
         return dataclasses.replace(self, **changes)
 
 
 class Stack:
     """A transformed step's transforms, outermost first, their facts and their handlers (built once)."""
 
-    def __init__(self, outermost: "Transform") -> None:
+    def __init__(self, outermost: Transform) -> None:
         self.transforms: tuple[Transform, ...] = tuple(transforms_of(outermost))
         facts = Facts()
         for transform in reversed(self.transforms):  # innermost first: outer ones see inner facts
@@ -130,7 +131,7 @@ class Stack:
             for p in PRIMITIVES}
         self._ids = frozenset(id(t) for t in self.transforms)
 
-    def __contains__(self, transform: "Transform") -> bool:
+    def __contains__(self, transform: Transform) -> bool:
         return id(transform) in self._ids
 
 
@@ -149,7 +150,7 @@ class StepContext:
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
 
-    def of(self, transform: "Transform") -> Any:
+    def of(self, transform: Transform) -> Any:
         """``transform``'s per-call scratch."""
         try:
             return self.scratch[id(transform)]
@@ -379,6 +380,12 @@ class Transform:
 
     def gather_params(self, state, next: Callable) -> dict[str, torch.Tensor]:
         return next(state)
+
+    def plan(self, loss_fn: Callable, batch: Any, params: dict, **budgets: Any):
+        """The memory plan of this stack per tier and rank (`zfunc.plan.plan`, its arguments)."""
+        from zfunc.plan import plan
+
+        return plan(self, loss_fn, batch, params, **budgets)
 
     # -- display ---------------------------------------------------------
     def settings(self) -> dict[str, Any]:

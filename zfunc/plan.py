@@ -104,17 +104,31 @@ class MemoryPlan:
         return self.tiers[tier].peak / max(1, self.parameters / self.world_size)
 
     def __str__(self) -> str:
-        rows = [("tier", "params", "grads", "optimizer", "activations", "buffers", "peak", "bytes/param")]
-        for name, t in self.tiers.items():
-            rows.append((name, *(f"{x / GiB:.2f}" for x in (t.params, t.grads, t.optimizer, t.activations,
-                                                              t.buffers, t.peak)),
-                         f"{self.bytes_per_parameter(name):.1f}"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         head = (f"memory plan per rank (GiB): {self.parameters / 1e9:.2f}B parameters, world size {self.world_size}, "
                 f"stage {self.facts.stage}, compute {_name(self.facts.compute_dtype)}, "
                 f"placement {self.placement}")
-        return "\n".join([head, *lines, *(f"note: {n}" for n in self.notes)])
+        per_param = {t: self.bytes_per_parameter(t) for t in self.tiers}
+        return "\n".join([head, format_tiers(self.tiers, per_param), *(f"note: {n}" for n in self.notes)])
+
+
+class Tiers(dict):
+    """``{"gpu": TierBytes, "host": ..., "nvme": ...}`` that prints as a table (what `describe` returns)."""
+
+    def __str__(self) -> str:
+        return format_tiers(self)
+
+
+def format_tiers(tiers: dict[str, TierBytes], per_param: dict[str, float] | None = None) -> str:
+    """A table of bytes per tier and kind, in GiB (and bytes per parameter when given)."""
+    rows = [("tier", "params", "grads", "optimizer", "activations", "buffers", "peak",
+             *(("bytes/param",) if per_param else ()))]
+    for name, t in tiers.items():
+        rows.append((name, *(f"{x / GiB:.2f}" for x in (t.params, t.grads, t.optimizer, t.activations,
+                                                          t.buffers, t.peak)),
+                     *((f"{per_param[name]:.1f}",) if per_param else ())))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
 
 
 def _name(dtype: torch.dtype | None) -> str:
@@ -373,7 +387,7 @@ def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
 # The actual placement of a state.
 
 
-def describe(state) -> dict[str, TierBytes]:
+def describe(state) -> Tiers:
     """Bytes of ``state`` per tier ("gpu", "host", "nvme": a file-backed host tensor) and kind, as placed now.
 
     Parameters are ``state.params``; the optimizer state is ``state.opt_state`` plus the param-shaped
@@ -395,7 +409,7 @@ def describe(state) -> dict[str, TierBytes]:
 
     add(state.params, "params")
     add((state.opt_state, state.extras), "optimizer")
-    return {t: TierBytes(params=v["params"], optimizer=v["optimizer"]) for t, v in totals.items()}
+    return Tiers({t: TierBytes(params=v["params"], optimizer=v["optimizer"]) for t, v in totals.items()})
 
 
 def _file_backed(storage) -> bool:
