@@ -109,6 +109,9 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
     if use_offload:
         step = offload(step)
     step = phases(shard(step, stage=stage, reshard=reshard), PhaseClock())
+    # The plan's predicted GPU peak, reported beside the measured one (allocated, above what was held before).
+    planned = zf.plan(step, loss_fn, torch.empty(args.micro_batch, args.seq, dtype=torch.long, device=device), params,
+                      world_size=dist.get_world_size(), baseline=0)
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
@@ -119,6 +122,7 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
         return metrics["loss"]
 
     result = time_steps(args, one, step.clock)
+    result["planned_gpu_gib"] = planned.tiers["gpu"].peak / 2**30
     profile_steps(args, one)
     return result
 
@@ -393,6 +397,7 @@ def main():
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
+                + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
                    f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else ""))
         except Exception as err:  # keep going: one broken contender must not lose the table

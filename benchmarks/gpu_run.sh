@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
-# the CPU Adam benchmark and the single-GPU offload comparison (PARTS picks; TAG names a repeat;
+# the CPU Adam benchmark, the single-GPU table and the largest-model runs (PARTS picks; TAG names a repeat;
 # PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps).
 # Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh [medium] [steps]
@@ -25,8 +25,8 @@ if [[ $PARTS == *kernels* ]]; then
   run kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_adam.py tests/test_cpu_adam.py
   run gpu_adam 180 python3 benchmarks/gpu_adam.py --json "$OUT/gpu_adam.json"
 fi
-if [[ $PARTS == *equiv* ]] && [ "$NGPU" -ge 2 ]; then
-  run equiv 120 torchrun --nproc-per-node 2 tests/gpu/nccl_equivalence.py
+if [[ $PARTS == *equiv* ]]; then
+  run equiv ${EQUIV_LIMIT:-240} torchrun --nproc-per-node "$NGPU" tests/gpu/nccl_equivalence.py
 fi
 if [[ $PARTS == *cpuadam* ]]; then
   run cpuadam 120 python3 benchmarks/cpu_adam.py --numel 100000000 --repeats 5 --json "$OUT/cpuadam.json"
@@ -35,6 +35,14 @@ if [[ $PARTS == *table* ]] && [ "$NGPU" -ge 2 ]; then
   run table_$MODEL${TAG:-} ${TABLE_LIMIT:-400} torchrun --nproc-per-node 2 benchmarks/gpt_zero.py --model "$MODEL" \
     --steps "$STEPS" --json "$OUT/table_$MODEL${TAG:-}.json" ${CONTENDERS:+--contenders $CONTENDERS} \
     ${PROFILE:+--profile} ${CPROFILE:+--cprofile}
+fi
+if [[ $PARTS == *largest* ]]; then
+  # One process per size and contender (benchmarks/largest_model.py supervises them); the NVMe tier and
+  # DeepSpeed's NVMe offload use $NVME_DIR.
+  run largest${TAG:-} ${LARGEST_LIMIT:-580} python3 benchmarks/largest_model.py --sizes "${LARGEST_SIZES:-2.7b}" \
+    --contenders "${LARGEST_CONTENDERS:-zfunc,zfunc-host,deepspeed,fsdp2}" --steps "${LARGEST_STEPS:-2}" \
+    --tokens-per-step "${LARGEST_TOKENS:-32768}" --micro-batch "${LARGEST_MB:-8}" --nvme-dir "${NVME_DIR:-/tmp/zfunc-nvme}" \
+    --limit-s "${LARGEST_RUN_LIMIT:-400}" --json "$OUT/largest${TAG:-}.json"
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \

@@ -82,6 +82,9 @@ class Group:
     def resolve(cls, group=None, timeout: float | None = None) -> "Group":
         """The given process group, else the world; a world of 1 when torch.distributed is not initialized.
 
+        ``device`` is where `shard` places parameters and computes: the current CUDA device for an
+        NCCL group or a single process on a machine with a GPU, the CPU for a gloo group.
+
         Refuses to pretend to be alone when a launcher (torchrun) started
         several processes (``WORLD_SIZE`` > 1) and none joined a group: each
         would train on its own, silently.
@@ -95,7 +98,10 @@ class Group:
                     "torch.distributed is not initialized, so each rank would train its own model. Call "
                     "torch.distributed.init_process_group('nccl' or 'gloo') at the start of the script (and "
                     "destroy_process_group() at its end), or run a single process without torchrun.")
-            return cls(None, 0, 1, timeout=timeout)
+            # Alone: compute where a process group on this machine would (NCCL's current CUDA device).
+            alone = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+                torch.device("cpu")
+            return cls(None, 0, 1, alone, timeout=timeout)
         backend = str(dist.get_backend(group)).lower()
         device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
         return cls(group, dist.get_rank(group), dist.get_world_size(group), device, timeout)

@@ -138,7 +138,7 @@ def _name(dtype: torch.dtype | None) -> str:
 def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], *,
          world_size: int | None = None, blocks: list[str] | None = None, units: list[str] | None = None,
          gpu_bytes: int | None = None, host_bytes: int | None = None, nvme_bytes: int | None = None,
-         measure: bool = True, baseline: int | None = None) -> MemoryPlan:
+         measure: bool = True, baseline: int | None = None, fit: bool = True) -> MemoryPlan:
     """The memory plan of ``step`` (see the module docstring).
 
     Args:
@@ -152,6 +152,7 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       gpu_bytes, host_bytes, nvme_bytes: what each tier may hold per rank; with them and `offload` in
         the stack, the plan chooses the optimizer shares and where parameters live (``placement``).
       measure: measure activations (else they count as 0).
+      fit: with budgets, choose the placement (else describe the placement the stack declares).
       baseline: the process's resident bytes before training (default: measured now).
     Returns:
       The `MemoryPlan`.
@@ -190,7 +191,7 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
-    if offloading and gpu_bytes is not None and stage >= 1:
+    if fit and offloading and gpu_bytes is not None and stage >= 1:
         split, params_tier, fit_notes = _fit(on_gpu, shard_elems, max(u.shard_size for u in layout.units), opt_b, cb, activations, stage == 3,
                                              gpu_bytes, host_bytes, nvme_bytes, baseline)
         notes += fit_notes

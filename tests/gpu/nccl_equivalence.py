@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,12 @@ def main():
         "offload+accumulate": lambda s: offload(accumulate(s, micro_batches=2)),
         "checkpoint": checkpoint,  # every block's reductions issued inside a nested (recompute) backward
         "checkpoint+accumulate": lambda s: checkpoint(accumulate(s, micro_batches=2)),
+        # The tiers: part of the optimizer state on the GPU, part on NVMe, parameters on the host.
+        "offload-device-half": lambda s: offload(s, device_fraction=0.5),
+        "offload-nvme-half": lambda s: offload(checkpoint(s), nvme_fraction=0.5, nvme_dir=nvme_dir),
+        "offload-params-host": lambda s: offload(accumulate(s, micro_batches=2), params="host"),
     }
+    nvme_dir = tempfile.mkdtemp(prefix="zfunc-nvme-")
     finals = {}
     for dtype in ("fp32", "bf16"):
         step, state = build(device, dtype)
@@ -71,6 +77,8 @@ def main():
         ref = {k: v.float() for k, v in zf.gather(step, state).items()}
         for stage in (1, 2, 3):
             for name, wrap in variants.items():
+                if name == "offload-params-host" and stage != 3:
+                    continue
                 step, state = build(device, dtype)
                 sharded = shard(wrap(step), stage=stage)
                 state = sharded.init(state)
@@ -85,6 +93,10 @@ def main():
                 if rank == 0:
                     print(f"{dtype} stage {stage} {name:22s} max rel err {err:.2e} {'ok' if ok else 'FAIL'} "
                           f"comm {metrics['comm_elements']}", flush=True)
+    leftovers = [os.path.join(d, f) for d, _, files in os.walk(nvme_dir) for f in files]
+    if leftovers:
+        print(f"FAIL: the NVMe tier left {leftovers} in {nvme_dir}", flush=True)
+        failures += 1
     dist.destroy_process_group()
     return 1 if failures else 0
 
