@@ -312,13 +312,16 @@ def supervise(args, size: str, contender: str) -> dict:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     disk_before = _disk_used(args.nvme_dir)
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                             start_new_session=True)
-    os.set_blocking(child.stdout.fileno(), False)
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    fd = child.stdout.fileno()
+    os.set_blocking(fd, False)
     start, phase, peaks, disk_peak, result, killed, tail = time.time(), "start", {}, 0, None, None, []
     buffer = ""
     while True:
-        chunk = child.stdout.read() or ""
+        try:
+            chunk = os.read(fd, 1 << 20).decode(errors="replace")
+        except BlockingIOError:
+            chunk = ""
         buffer += chunk
         *lines, buffer = buffer.split("\n")
         for line in lines:
@@ -336,7 +339,7 @@ def supervise(args, size: str, contender: str) -> dict:
         if child.poll() is not None and not chunk:
             break
         if killed is None and rss > args.host_limit_gib * GiB:
-            killed = f"host out of memory: resident {rss / GiB:.0f} GiB > {args.host_limit_gib} GiB in {phase}"
+            killed = f"host out of memory: resident {rss / GiB:.1f} GiB > {args.host_limit_gib} GiB in {phase}"
         elif killed is None and time.time() - start > args.limit_s:
             killed = f"time limit: {args.limit_s} s in {phase}"
         if killed is not None and child.poll() is None:
@@ -350,12 +353,14 @@ def supervise(args, size: str, contender: str) -> dict:
                host_peak_by_phase_gib={k: v / GiB for k, v in peaks.items()}, disk_peak_gib=disk_peak / GiB)
     if out.get("trains"):
         out["host_bytes_per_param"] = max(peaks.values()) / out["parameters"]
+        # Above the process before the model existed (torch, the CUDA context, the plan): the model's own.
+        out["host_bytes_per_param_model"] = (max(peaks.values()) - peaks.get("start", 0)) / out["parameters"]
     return out
 
 
 def table(rows: list[dict]) -> str:
     head = ("size", "contender", "trains", "tok/step", "step s", "tok/s", "TFLOP/s", "GPU alloc", "GPU resv",
-            "host peak", "B/param", "disk", "init s", "plan GPU", "plan host", "why / placement")
+            "host peak", "B/param (model)", "disk", "init s", "plan GPU", "plan host", "why / placement")
     lines = [head]
     for r in rows:
         p = r.get("planned", {})
@@ -364,7 +369,7 @@ def table(rows: list[dict]) -> str:
                       f"{r.get('tokens_per_step', 0)}" if ok else "", f"{r['step_s']:.2f}" if ok else "",
                       f"{r['tokens_per_s']:.0f}" if ok else "", f"{r['model_tflops']:.1f}" if ok else "",
                       f"{r['gpu_alloc_gib']:.1f}" if ok else "", f"{r['gpu_reserved_gib']:.1f}" if ok else "",
-                      f"{r['host_peak_gib']:.1f}", f"{r['host_bytes_per_param']:.1f}" if ok else "",
+                      f"{r['host_peak_gib']:.1f}", f"{r['host_bytes_per_param']:.1f} ({r['host_bytes_per_param_model']:.1f})" if ok else "",
                       f"{r['disk_peak_gib']:.1f}", f"{r['init_s']:.0f}" if "init_s" in r else "",
                       f"{p['gpu_gib']:.1f}" if p else "", f"{p['host_gib']:.1f}" if p else "",
                       str(p.get("placement", "")) if ok else r.get("why", "")[:160]))
