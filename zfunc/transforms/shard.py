@@ -321,6 +321,8 @@ class shard(Transform):  # noqa: N801
             return value, sharded
         full_flats = self._full_flats(params, layout) if self.stage == 2 else None
         shards = self._param_shards(params, layout, full_flats)
+        if self.stage == 3:
+            shards = call.units.on_compute_device(shards)
         before = call.sharded_applies
         call.units.start_pass()
 

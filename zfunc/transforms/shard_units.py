@@ -137,6 +137,38 @@ class Units:
         self.prefetched: dict[tuple[str, str], dist.Prefetch] = {}  # (phase, unit) -> gather in flight
         self.issued = -1  # this model call's forward gathers: blocks [0, issued] are issued (stage 3)
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
+        self.host_data: dict[int, torch.Tensor] = {}  # a stand-in's storage -> its shard on the host
+
+    # -- parameter shards on the host ---------------------------------------------
+    def on_compute_device(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Stage 3 with parameter shards on the host (``offload(params="host")``): what autograd
+        differentiates instead of each host shard is a stand-in on the compute device (one element,
+        expanded: no memory), so the shard's gradient comes out on the GPU, where backward reduced it
+        and the update streams it from; the gathers read the host data through `_data` (pinned memory,
+        copied to the GPU asynchronously as each unit is gathered)."""
+        device = self.comm.group.device
+        if all(t.device == device for t in shards.values()):
+            return shards
+        if under_torch_func_or_compile():
+            raise NotImplementedError(
+                "offload(params='host') gathers host shards block by block in eager autograd; under "
+                "torch.func or torch.compile keep the parameters on the device (offload(params='device')).")
+        out = {}
+        for key, t in shards.items():
+            if t.device == device:
+                out[key] = t
+                continue
+            stand_in = torch.zeros(1, dtype=t.dtype, device=device).expand(t.shape)
+            self.host_data[stand_in.untyped_storage().data_ptr()] = t
+            out[key] = stand_in
+        return out
+
+    def _data(self, unit: UnitLayout, slices: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``unit``'s flat shard on this rank (`UnitLayout.shard_data`), read from the host where the
+        slices are stand-ins (`on_compute_device`)."""
+        if self.host_data:
+            slices = {k: self.host_data.get(slices[k].untyped_storage().data_ptr(), slices[k]) for k in unit.keys}
+        return unit.shard_data(slices, self.rank)
 
     # -- a pass -------------------------------------------------------------------
     def start_pass(self) -> None:
@@ -231,7 +263,7 @@ class Units:
         if 0 <= index < len(self.blocks) and (phase, self.blocks[index].name) not in self.prefetched:
             unit = self.blocks[index]
             self.prefetched[(phase, unit.name)] = self.comm.all_gather_async(
-                unit.shard_data(params, self.rank), tag=unit.name)
+                self._data(unit, params), tag=unit.name)
 
     def prefetch_first(self, params: dict, full_flats: dict | None) -> None:
         """A model call starts (stage 3): gather the first block ahead.
@@ -284,11 +316,11 @@ class Units:
                 full = full_flats[unit.name]
             elif phase == "backward":
                 self.backward_begins()
-                full = self._gathered(unit, unit.shard_data(slices, self.rank), phase, params, recomputed)
+                full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
             elif unit.name == ROOT:
-                full = self.comm.all_gather(unit.shard_data(slices, self.rank), tag=unit.name)
+                full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
             else:
-                full = self._gathered(unit, unit.shard_data(slices, self.rank), phase, params, recomputed)
+                full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
         grad = torch.is_grad_enabled() and any(slices[k].requires_grad for k in unit.keys)
         counted = phase == "forward" and (grad or recomputed)
         use = self._use(unit) if counted or grad else None
@@ -317,7 +349,7 @@ class Units:
                 if full_flats is None and self.mode == "autograd":
                     if in_backward():
                         self.backward_begins()
-                    full = self.comm.all_gather(unit.shard_data(slices, self.rank), tag=unit.name)
+                    full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
                 views = self.views(unit, slices, params, full_flats, recomputed=False, full=full)
                 if not in_backward():
                     made[unit.name] = views
@@ -358,7 +390,7 @@ class Units:
         return gathered_body
 
     def _released_body(self, unit, local, body, slices, params, args, kwargs, extra=None):
-        data = unit.shard_data(slices, self.rank)
+        data = self._data(unit, slices)
         full = self._gathered(unit, data, "forward", params, recomputed=False)
         buffer = ReleasedBuffer(full, data, self.comm, unit.name, before_refill=self.backward_begins)
         self.released[unit.name] = buffer
