@@ -15,6 +15,8 @@ os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 def pytest_configure(config):
     if not any(m.split(":")[0].strip() == "slow" for m in config.getini("markers")):
         config.addinivalue_line("markers", "slow: a slow test (deselect with -m 'not slow')")
+    # The adversarial suite records what each case ends in (tests/adversarial.py).
+    config.addinivalue_line("markers", "outcome(kind): what an adversarial case ends in (tests/adversarial.py)")
 
 
 @pytest.fixture

@@ -16,6 +16,14 @@ and even a first-order `torch.func.vjp` measured +35% peak over
 while autograd frees each saved tensor as soon as backward has used it. Use
 `torch.func.grad` directly for higher-order derivatives.
 
+Misuse is refused rather than differentiated into zeros: a loss that does not
+reach the params (the module called instead of ``apply_fn``, detached params,
+a forward under ``no_grad``), a loss that reached a module's own
+``nn.Parameter`` while some params got no gradient (the module called beside
+``apply_fn``: one walk of the graph, only in that case), and a forward that
+wrote into a parameter in place where the gradient cannot follow (torch's
+error, re-raised naming the parameters and the stack).
+
 After its backward returns, the plain implementation dispatches
 ``gradients_ready`` (see `zfunc.interpret`): transforms that started
 asynchronous work during backward (`shard`'s reductions) finish it there, so
@@ -30,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from zfunc.interpret import current, dispatch, gradients_ready
-from zfunc.tree import tree_flatten, tree_leaves, tree_unflatten
+from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
 def value_and_grad(fn: Callable, has_aux: bool = False) -> Callable:
@@ -99,14 +107,23 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
     """Eager path: fresh leaf views of params, one forward, `torch.autograd.grad`."""
     leaves, spec = tree_flatten(params)
     inputs = [leaf.detach().requires_grad_() for leaf in leaves]
+    versions = [x._version for x in inputs]
     with torch.enable_grad():
-        loss, aux_tensors = loss_of(tree_unflatten(spec, inputs))
+        try:
+            loss, aux_tensors = loss_of(tree_unflatten(spec, inputs))
+        except RuntimeError as err:
+            _raise_if_written_in_place(err, params, inputs, versions)
+            raise
     if loss.grad_fn is None:
         raise ValueError(
             "value_and_grad: the loss does not depend on the params it was given, so every gradient would be "
             "zero. Compute the loss from the params argument: call apply_fn(params, ...) (from zf.functional) "
             "inside the loss function, not the module itself, and do not detach the params.")
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    try:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    except RuntimeError as err:
+        _raise_if_written_in_place(err, params, inputs, versions)
+        raise
     # (Under a transform, gradients may arrive after backward returns: `shard` reduces a unit that ran on
     # some ranks only once every rank's backward is done. Then the loss's dependence is all we check.)
     if all(g is None for g in grads) and current() is None:
@@ -114,8 +131,74 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
             "value_and_grad: no parameter received a gradient: the loss does not depend on the params it was "
             "given. Call apply_fn(params, ...) (from zf.functional) inside the loss function, not the module "
             "itself.")
+    if any(g is None for g in grads):
+        _refuse_module_parameters(loss)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
     return loss, tree_unflatten(spec, grads), aux_tensors
+
+
+# What torch says when an in-place write breaks differentiation: a tensor saved for backward changed, a
+# view handed out by a multi-view Function (shard's gathered units) was written, a leaf was written.
+_IN_PLACE_ERRORS = ("modified by an inplace operation", "has been modified inplace",
+                    "leaf Variable that requires grad is being used in an in-place operation")
+
+
+def _raise_if_written_in_place(err: RuntimeError, params: Any, inputs: list, versions: list) -> None:
+    """Re-raise torch's error about an in-place write as one that names the parameters the forward wrote
+    and says what to do; return (leaving ``err`` to its caller) if it is about something else."""
+    text = str(err)
+    if not any(marker in text for marker in _IN_PLACE_ERRORS):
+        return
+    names = [".".join(str(k) for k in path) for path, _ in _leaf_paths(params)]
+    written = [n for n, x, v in zip(names, inputs, versions) if x._version != v]
+    if written:
+        what = f"parameter(s) {', '.join(written[:6])}{' ...' if len(written) > 6 else ''} (or a tensor sharing " \
+               "their memory)"
+    elif "returns multiple views" in text or "leaf Variable" in text:
+        what = "a parameter"
+    else:
+        return  # an activation written in place: torch's own message is the one to read
+    ctx = current()
+    where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+    raise RuntimeError(
+        f"value_and_grad: the model's forward wrote into {what} in place{where} (e.g. nn.Embedding(max_norm=...) "
+        "renormalizes the rows it looks up, or a weight is updated under torch.no_grad() inside forward), and "
+        "the gradient cannot be computed through that write here: shard keeps a unit's parameters in one shared "
+        "(or gathered) buffer, checkpoint recomputes from the values it saved, and autograd refuses writes into "
+        "the tensors it differentiates. Make the forward pure: renormalize functionally (F.embedding(..., "
+        "max_norm=None), then scale the looked-up rows), and change weights outside the loss (e.g. after "
+        f"apply_gradients). torch said: {text.splitlines()[0][:300]}") from err
+
+
+def _leaf_paths(tree: Any) -> list:
+    """``(path, leaf)`` for every leaf, in `tree_flatten`'s order."""
+    found: list = []
+    tree_map_with_path(lambda path, x: found.append((path, x)), tree)
+    return found
+
+
+def _refuse_module_parameters(loss: torch.Tensor, limit: int = 200_000) -> None:
+    """Some parameters got no gradient: refuse if the loss reached a module's own ``nn.Parameter`` instead
+    (the loss function called the module itself, whose gradients value_and_grad never returns).
+
+    Walks the backward graph from the loss (at most ``limit`` nodes), only in this case: a model whose every
+    parameter gets a gradient pays nothing.
+    """
+    seen, stack = set(), [loss.grad_fn]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.nn.Parameter):
+            raise ValueError(
+                f"value_and_grad: the loss depends on a module's own parameter (an nn.Parameter of shape "
+                f"{tuple(variable.shape)}) rather than on the params it was given, so its gradient would be "
+                "dropped and that part of the model would silently not train. The loss function calls the module "
+                "itself somewhere (model(x) or a submodule); call apply_fn(params, x) (from zf.functional) "
+                "instead.")
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 def under_torch_func_or_compile() -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from zfunc import dist
+from zfunc.interpret import check_alive
 from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
@@ -61,6 +62,9 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     layout = layout_of(like)
     step_dir = error = None
     try:
+        # A consumed template shares its buffers with the state its step returned: restoring into it would
+        # overwrite that live state behind the caller's back.
+        check_alive(like, "zfunc.io.restore(like=...)")
         if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, "
                                   f"but this process is rank {g.rank} of {g.size}; build it with this world's "

@@ -16,6 +16,7 @@ import torch
 
 import zfunc
 from zfunc import dist
+from zfunc.interpret import check_alive
 from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
     Spans,
@@ -145,6 +146,9 @@ def _lock(directory: Path, name: str, g: dist.Group) -> tuple[SaveLock | None, s
 
 
 def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
+    # A state a transformed step consumed shares its buffers with the state that step returned: saving
+    # it would write the new parameters under the old step number.
+    check_alive(state, "zfunc.io.save")
     step = _step_of(state)
     layout = layout_of(state)
     if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):

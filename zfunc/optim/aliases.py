@@ -17,11 +17,13 @@ same layout whatever the weight decay.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from numbers import Real
 
 from zfunc.optim.base import GradientTransformation, Hyperparams, chain, identity
+from zfunc.optim.checks import beta as _beta
+from zfunc.optim.checks import flag as _flag
+from zfunc.optim.checks import nonnegative as _nonnegative
+from zfunc.optim.checks import number as _number
 from zfunc.optim.fused import AdamSpec
 from zfunc.optim.schedules import ScalarOrSchedule
 from zfunc.optim.transforms import (
@@ -34,30 +36,10 @@ from zfunc.optim.transforms import (
 )
 
 
-def _number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _nonnegative(name: str, value, hint: str = "") -> float:
-    value = _number(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}" + (f"; {hint}" if hint else ""))
-    return value
-
-
 def _learning_rate(lr: ScalarOrSchedule) -> ScalarOrSchedule:
     if callable(lr):
         return lr
     return _nonnegative("lr", lr, "to ascend instead of descend, negate the loss")
-
-
-def _beta(name: str, value) -> float:
-    value = _number(name, value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {value} (typical: b1=0.9, b2=0.999)")
-    return value
 
 
 def _mask(mask: Mask) -> Mask:
@@ -89,6 +71,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, wei
     lr = _learning_rate(lr)
     momentum = _nonnegative("momentum", momentum)
     weight_decay = _nonnegative("weight_decay", weight_decay)
+    nesterov = _flag("nesterov", nesterov)
     dampening = _number("dampening", dampening)
     if not 0.0 <= dampening <= 1.0:
         raise ValueError(f"dampening must be in [0, 1], got {dampening}")

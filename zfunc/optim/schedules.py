@@ -21,11 +21,14 @@ floats.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from numbers import Real
 
 import torch
+
+from zfunc.optim.checks import FLOAT32_MAX
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 ScalarOrSchedule = float | Schedule
@@ -38,6 +41,8 @@ def _check_nonnegative(name: str, value) -> float:
         raise TypeError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if value > FLOAT32_MAX:  # the rate is a float32: it would be inf
+        raise ValueError(f"{name} = {value!r} does not fit in float32 (max {FLOAT32_MAX:.3g}), the dtype of the rate")
     return float(value)
 
 
@@ -69,10 +74,27 @@ def constant(lr: float) -> Schedule:
 
 
 def as_schedule(lr: ScalarOrSchedule) -> Schedule:
-    """A schedule as given, or `constant(lr)` for a number."""
+    """`constant(lr)` for a number; a callable as a schedule whose Python-number results become float32
+    0-d tensors (``lambda count: 1e-3 * 0.99 ** float(count)`` works as written; tensors pass unchanged)."""
     if callable(lr):
-        return lr
+        return lr if getattr(lr, "__module__", None) == __name__ else _tensor_rates(lr)
     return constant(lr)
+
+
+def _tensor_rates(fn: Callable) -> Schedule:
+    @functools.wraps(fn)
+    def schedule(count: torch.Tensor) -> torch.Tensor:
+        lr = fn(count)
+        if isinstance(lr, torch.Tensor):
+            return lr
+        if isinstance(lr, Real) and not isinstance(lr, bool):
+            return torch.full((), float(lr), dtype=torch.float32, device=count.device)
+        raise TypeError(f"the learning-rate schedule {getattr(fn, '__name__', fn)!r} returned "
+                        f"{type(lr).__name__}; a schedule maps the step count (an int64 0-d tensor) to a rate: "
+                        "a number or a 0-d float tensor")
+
+    schedule.__module__ = __name__  # wrapped once: as_schedule passes it through
+    return schedule
 
 
 def _deepspeed_warmup_gamma(c: torch.Tensor, warmup: int, warmup_type: str) -> torch.Tensor:

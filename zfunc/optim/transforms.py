@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from zfunc.interpret import psum
+from zfunc.optim import checks
 from zfunc.optim.base import EmptyState, GradientTransformation, Hyperparams, first_device
 from zfunc.optim.schedules import ScalarOrSchedule, as_schedule
 from zfunc.tree import (
@@ -58,9 +59,13 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     ``n = ‖u‖₂`` over every element of every leaf (over all shards under
     `shard`, via `global_norm`), then ``u ← u · min(1, max_norm / (n + 1e-6))``,
     as ``torch.nn.utils.clip_grad_norm_``. No state.
+
+    ``max_norm`` must be a finite number > 0 (NaN would turn every update into
+    NaN, inf or 0 would clip nothing or everything); to clip nothing, leave
+    the transformation out of the chain.
     """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    max_norm = checks.positive("max_norm", max_norm,
+                               "to turn clipping off, leave clip_by_global_norm out of the chain")
 
     def init(params: PyTree) -> EmptyState:
         return EmptyState()
@@ -92,6 +97,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     Bias corrections are computed in float64 from the tensor count.
     """
+    b1, b2, eps = checks.beta("b1", b1), checks.beta("b2", b2), checks.nonnegative("eps", eps)
 
     def init(params: PyTree) -> ScaleByAdamState:
         return ScaleByAdamState(_zero_count(params), tree_zeros_like(params), tree_zeros_like(params))
@@ -157,6 +163,7 @@ def add_decayed_weights(weight_decay: float, mask: Mask = None) -> GradientTrans
     shard, so "decay only matrices" must be written with names (e.g.
     ``lambda name: not name.endswith("bias")``). No state.
     """
+    weight_decay = checks.nonnegative("weight_decay", weight_decay)
 
     def init(params: PyTree) -> EmptyState:
         return EmptyState()
@@ -234,13 +241,13 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, decoupled_weight_
     The state records the rate used, readable with `zfunc.optim.learning_rate`.
     """
     schedule = as_schedule(learning_rate)
-    if not 0 <= decoupled_weight_decay < float("inf"):
-        raise ValueError(f"decoupled_weight_decay must be a finite number >= 0, "
-                         f"got {decoupled_weight_decay!r}")
+    decoupled_weight_decay = checks.nonnegative("decoupled_weight_decay", decoupled_weight_decay)
 
     def init(params: PyTree) -> ScaleByLearningRateState:
         count = _zero_count(params)
-        return ScaleByLearningRateState(count, schedule(count))
+        lr = schedule(count)
+        checks.first_rate(lr, count)
+        return ScaleByLearningRateState(count, lr)
 
     def update(updates: PyTree, state: ScaleByLearningRateState, params: PyTree = None):
         lr = schedule(state.count)
@@ -288,6 +295,9 @@ def trace(momentum: float, nesterov: bool = False, dampening: float = 0.0) -> Gr
         b ← momentum·b + (1 − dampening)·u     afterwards
         u ← u + momentum·b   if nesterov   else   u ← b
     """
+    momentum = checks.nonnegative("momentum", momentum)
+    nesterov = checks.flag("nesterov", nesterov)
+    dampening = checks.unit_interval("dampening", dampening)
 
     def init(params: PyTree) -> TraceState:
         return TraceState(_zero_count(params), tree_zeros_like(params))
@@ -326,6 +336,8 @@ def scale_by_trust_ratio(trust_coefficient: float = 1.0, eps: float = 0.0) -> Gr
     under `shard` the norms are those of the whole parameters. Not
     elementwise (each leaf needs its own norms). No state.
     """
+    trust_coefficient = checks.positive("trust_coefficient", trust_coefficient)
+    eps = checks.nonnegative("eps", eps)
 
     def init(params: PyTree) -> EmptyState:
         return EmptyState()

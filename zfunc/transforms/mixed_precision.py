@@ -102,6 +102,8 @@ DTypeName = Literal["fp32", "bf16", "fp16"]
 _DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CODES = {"fp32": 0, "bf16": 1, "fp16": 2}
 _SCALING_CODES = {"none": 0, "static": 1, "dynamic": 2}
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_MAX_SCALE_POWER = 127  # the largest power of two float32 holds
 _ALIASES: dict[Any, str] = {
     "fp32": "fp32", "float32": "fp32", "f32": "fp32", "full": "fp32", "float": "fp32", torch.float32: "fp32",
     "bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
@@ -232,8 +234,9 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             raise ValueError(f"cast_buffers must be True or False, got {cast_buffers!r}")
         fp16 = self.policy.compute_dtype == "fp16"
         if not (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
-                and 0 <= loss_scale < float("inf")):
-            raise ValueError(f"loss_scale must be 0 (dynamic) or a positive finite number, got {loss_scale!r}")
+                and 0 <= loss_scale <= _FLOAT32_MAX):
+            raise ValueError(f"loss_scale must be 0 (dynamic) or a positive number that float32 holds (the scale's "
+                             f"dtype, at most {_FLOAT32_MAX:.3g}), got {loss_scale!r}")
         if loss_scale and not fp16:
             raise ValueError(f"loss_scale applies to fp16 compute only; policy {self.policy.short()!r} computes "
                              f"in {self.policy.compute_dtype} and needs no loss scaling")
@@ -241,8 +244,17 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                                  ("loss_scale_window", loss_scale_window, 1), ("hysteresis", hysteresis, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{knob} must be an int >= {low}, got {value!r}")
-        if not (isinstance(min_loss_scale, (int, float)) and 0 < min_loss_scale < float("inf")):
+        if initial_scale_power > _MAX_SCALE_POWER:
+            # 2**128 is inf in float32: every step would overflow and be skipped, and inf / 2 never reaches
+            # min_loss_scale, so nothing would ever say so.
+            raise ValueError(f"initial_scale_power must be at most {_MAX_SCALE_POWER} (2**{_MAX_SCALE_POWER + 1} "
+                             f"is inf in float32, the loss scale's dtype), got {initial_scale_power}; DeepSpeed's "
+                             "default is 16")
+        if not (isinstance(min_loss_scale, (int, float)) and not isinstance(min_loss_scale, bool)
+                and 0 < min_loss_scale <= _FLOAT32_MAX):
             raise ValueError(f"min_loss_scale must be a positive finite number, got {min_loss_scale!r}")
+        if not isinstance(consecutive_hysteresis, bool):
+            raise ValueError(f"consecutive_hysteresis must be True or False, got {consecutive_hysteresis!r}")
         if fp16 and not loss_scale and 2.0 ** initial_scale_power < min_loss_scale:
             raise ValueError(f"2**initial_scale_power = {2.0 ** initial_scale_power} is below "
                              f"min_loss_scale = {min_loss_scale}")
