@@ -69,12 +69,14 @@ def check(result: dict, rtol: float = 1e-6, atol: float = 1e-6) -> None:
             assert result["metrics_compiled"][name] == pytest.approx(result["metrics_eager"][name], rel=1e-6)
 
 
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 def test_compute_stack_world_1(dist):
     """accumulate(checkpoint(mixed_precision)) on one rank: one graph, equal to eager."""
     make = lambda s: accumulate(checkpoint(mixed_precision(s, "bf16")), 2)  # noqa: E731
     check(dist(eager_and_compiled, 1, make, timeout=600)[0])
 
 
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 @pytest.mark.parametrize("name", list(STACKS))
 def test_shard_world_2(dist, name):
     """shard stages 1-3 (with mixed precision, checkpoint, accumulate, offload) on 2 gloo ranks."""
@@ -83,6 +85,7 @@ def test_shard_world_2(dist, name):
         check(result)
 
 
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 def test_shard_stage_3_world_1(dist):
     check(dist(eager_and_compiled, 1, STACKS["s3_checkpoint"], timeout=600)[0])
 
@@ -92,6 +95,7 @@ def _fp16_overflowing(s):
     return shard(mixed_precision(s, "fp16", initial_scale_power=40, hysteresis=1), stage=2)
 
 
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 def test_fp16_skip_is_branch_free(dist):
     """The skip of an overflowing fp16 step traces (torch.where on the update) and skips exactly the
     steps eager skips: same scale, same params."""
@@ -117,6 +121,7 @@ def _hundred_steps() -> dict:
             "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
 
 
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 def test_a_hundred_steps_compile_once(dist):
     """Step counter, learning-rate schedule and clip are tensors: 100 steps, one graph, no recompile."""
     assert dist(_hundred_steps, 1, timeout=600)[0] == {"graphs": 1, "steps": 100, "recompiles": 0}
