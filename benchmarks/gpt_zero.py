@@ -12,6 +12,14 @@ times (forward, backward, optimizer+gather) on the GPU and on the host
 (`PhaseClock`; zfunc's phases come from a small observing transform), which
 say whether a phase waits for the device or for Python. ``--nproc-per-node 1``
 adds the single-GPU floor (bf16 params, fp32 master, torch fused AdamW).
+
+``--compile`` adds compiled contenders: ``zfunc-sK-compiled`` (the same zfunc step
+under ``torch.compile(step, fullgraph=True)``: forward, backward, collectives and
+the pure AdamW update in one graph) and ``floor-compiled`` (the floor's model under
+``torch.compile``, torch fused AdamW), each with ``compile_s``: the wall time of
+the first step (the compile) less a timed step's median. ``--contenders`` may name
+them directly; ``--smoke`` runs the tiny model for 2 steps on whatever is there
+(the CPU with gloo when no GPU), to check the script end to end.
 """
 
 from __future__ import annotations
@@ -34,8 +42,14 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "medium": (1024, 24, 16, 8),
     "1.3b": (2048, 24, 16, 4),
 }
+COMPILED = ["floor-compiled", "zfunc-s1-compiled", "zfunc-s2-compiled", "zfunc-s3-compiled"]
 ALL = ["floor", "zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s3-checkpoint", "zfunc-s2-offload",
        "zfunc-s3-offload", "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def log(*a):
@@ -66,7 +80,7 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False):
+def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False, compiled=False):
     import zfunc as zf
     from zfunc.interpret import Transform
     from zfunc.transforms import checkpoint, mixed_precision, offload, shard
@@ -108,20 +122,24 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
         step = checkpoint(step)
     if use_offload:
         step = offload(step)
-    step = phases(shard(step, stage=stage, reshard=reshard), PhaseClock())
+    step = shard(step, stage=stage, reshard=reshard)
     # The plan's predicted GPU peak, reported beside the measured one (allocated, above what was held before).
     planned = zf.plan(step, loss_fn, torch.empty(args.micro_batch, args.seq, dtype=torch.long, device=device), params,
                       world_size=dist.get_world_size(), baseline=0)
+    # The phase observer marks CUDA events from Python, which a compiled graph cannot; a compiled step
+    # is timed whole.
+    step = step if compiled else phases(step, PhaseClock())
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
+    run = torch.compile(step, fullgraph=True) if compiled else step
 
     def one(i):
         nonlocal state
-        state, metrics = step(state, batch(args, i, device))
+        state, metrics = run(state, batch(args, i, device))
         return metrics["loss"]
 
-    result = time_steps(args, one, step.clock)
+    result = time_steps(args, one, None if compiled else step.clock)
     result["planned_gpu_gib"] = planned.tiers["gpu"].peak / 2**30
     profile_steps(args, one)
     return result
@@ -169,18 +187,20 @@ def time_eager(args, model, device, autocast: bool):
     return result
 
 
-def run_floor(args, device):
-    """One GPU, no communication: bf16 params, fp32 master, torch fused AdamW."""
+def run_floor(args, device, compiled=False):
+    """One GPU, no communication: bf16 params, fp32 master, torch fused AdamW (``compiled``: the
+    model's forward and backward under torch.compile)."""
     model = make_model(args).to(device)
     master = [p.detach().clone() for p in model.parameters()]
     model.to(torch.bfloat16)
     params = list(model.parameters())
     opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=True)
     clock = PhaseClock()
+    forward = torch.compile(model) if compiled else model
 
     def one(i):
         tokens = batch(args, i, device)
-        loss = lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens)
+        loss = lm_loss(forward(input_ids=tokens, use_cache=False).logits, tokens)
         clock.mark()
         loss.backward()
         clock.mark()
@@ -246,8 +266,9 @@ class PhaseClock:
         self.host_ms: list[list[float]] = []
 
     def mark(self) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
+        if event is not None:
+            event.record()
         self.marks.append((event, time.perf_counter()))
 
     def start(self) -> None:
@@ -258,7 +279,7 @@ class PhaseClock:
         """After the step synchronized: keep its phases (a step with other marks is dropped)."""
         if len(self.marks) == 1 + len(self.NAMES):
             pairs = list(zip(self.marks, self.marks[1:]))
-            self.gpu_ms.append([a.elapsed_time(b) for (a, _), (b, _) in pairs])
+            self.gpu_ms.append([a.elapsed_time(b) if a is not None else 0.0 for (a, _), (b, _) in pairs])
             self.host_ms.append([1e3 * (tb - ta) for (_, ta), (_, tb) in pairs])
         self.marks = []
 
@@ -277,31 +298,36 @@ def time_steps(args, one, clock: PhaseClock | None = None):
     baseline = args.allocated_before
     times, loss = [], None
     for i in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
+        sync()
         if clock is not None:
             clock.start()
         start = time.perf_counter()
         loss = one(i)
         if clock is not None and len(clock.marks) == len(clock.NAMES):
             clock.mark()  # the end of an eager step (zfunc's observer marks it itself)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - start)
         if clock is not None:
             clock.finish()
-        if i == args.warmup - 1:
+        if i == args.warmup - 1 and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
     timed = times[args.warmup:]
     loss = loss.float()
     dist.all_reduce(loss)
     world = dist.get_world_size()
     median = statistics.median(timed)
-    return {"median_ms": 1e3 * median, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
+    compile_s = max(0.0, times[0] - median)  # the first step's extra time: compiling, for compiled ones
+    return {"median_ms": 1e3 * median, "compile_s": compile_s, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
             "tokens_per_s": world * args.micro_batch * args.seq / median,
-            "peak_alloc_gib": (torch.cuda.max_memory_allocated() - baseline) / 2**30,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "peak_alloc_gib": (max_allocated() - baseline) / 2**30,
+            "peak_reserved_gib": (torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0) / 2**30,
             "allocated_before_gib": baseline / 2**30,
             "loss": float(loss) / world,
             **(clock.summary(args.warmup) if clock is not None else {})}
+
+
+def max_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
 def profile_steps(args, one) -> None:
@@ -341,6 +367,10 @@ def profile_steps(args, one) -> None:
           flush=True)
 
 
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(SHAPES), default="medium")
@@ -353,7 +383,12 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over 3 extra steps (rank 0 prints the kernels by GPU time)")
     p.add_argument("--cprofile", action="store_true", help="cProfile over 3 extra steps: where the host time goes")
+    p.add_argument("--compile", action="store_true",
+                   help="add the compiled contenders: " + ",".join(COMPILED) + " (see the module docstring)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps: check the script end to end")
     args = p.parse_args()
+    if args.smoke:
+        args.model, args.seq, args.steps, args.warmup = "tiny", 64, 2, 1
     args.micro_batch = args.micro_batch or SHAPES[args.model][3]
     if os.environ.get("GPT_ZERO_DEBUG"):
         import logging
@@ -361,24 +396,33 @@ def main():
         logging.basicConfig(level=logging.DEBUG if int(os.environ.get("LOCAL_RANK", 0)) == 0 else logging.WARNING)
         logging.getLogger("zfunc").setLevel(logging.DEBUG)
     local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=device)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:  # --smoke on a machine without a GPU: gloo, CPU tensors, no CUDA timing
+        device = torch.device("cpu")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
     world = dist.get_world_size()
     names = ALL if args.contenders == "all" else args.contenders.split(",")
     if world == 1 and args.contenders == "all":
         names = ["floor", "zfunc-s3", "zfunc-s3-offload"]
+    if args.compile:
+        names += [n for n in COMPILED if n not in names]
     import transformers
 
     log(f"# gpt_zero {args.model} mb={args.micro_batch} seq={args.seq} world={world} "
-        f"{torch.cuda.get_device_name()} torch {torch.__version__} transformers {transformers.__version__} "
+        f"{device_name()} torch {torch.__version__} transformers {transformers.__version__} "
         f"{time.strftime('%Y-%m-%d %H:%M')}")
     results = {}
     for name in names:
-        args.allocated_before = torch.cuda.memory_allocated()
+        args.allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         try:
-            if name == "floor":
-                r = run_floor(args, device)
+            if name in ("floor", "floor-compiled"):
+                r = run_floor(args, device, compiled=name.endswith("compiled"))
             elif name == "ddp":
                 r = run_ddp(args, device)
             elif name == "fsdp2":
@@ -386,7 +430,7 @@ def main():
             elif name.startswith("zfunc-s"):
                 r = run_zfunc(args, int(name[7]), "offload" in name, device,
                               reshard="recompute" if name.endswith("recompute") else "release",
-                              use_checkpoint=name.endswith("checkpoint"))
+                              use_checkpoint=name.endswith("checkpoint"), compiled=name.endswith("compiled"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:
@@ -396,6 +440,7 @@ def main():
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
+                + (f"  compile {r['compile_s']:.1f} s" if name.endswith("compiled") else "")
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
@@ -406,11 +451,12 @@ def main():
             if os.environ.get("GPT_ZERO_TRACEBACK"):
                 traceback.print_exc()
         gc.collect()
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         dist.barrier()
     if args.json and dist.get_rank() == 0:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "world": world, "device": torch.cuda.get_device_name(),
+            json.dump({"args": vars(args), "world": world, "device": device_name(),
                        "torch": torch.__version__, "results": results}, f, indent=2)
     dist.destroy_process_group()
 

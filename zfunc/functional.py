@@ -34,6 +34,7 @@ once and kept in a `ModelStructure` beside the apply function.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from typing import Any, Callable, Literal
@@ -41,6 +42,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
+from zfunc.compiled import remember, tracing
 from zfunc.interpret import current, dispatch
 from zfunc.materialize import Init, Materializer
 from zfunc.recompute import recompute
@@ -143,7 +145,7 @@ class ModelStructure:
         # The module is one object shared by every call: swapping tensors into its slots (and a
         # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
         # recompute in backward takes it again (possibly from autograd's own thread).
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()
         self._block_names: dict[str, dict[str, str]] = {}
         self._block_ties: dict[str, bool] = {}
         self._outer: dict[tuple, list[tuple[str, str]]] = {}
@@ -157,12 +159,25 @@ class ModelStructure:
         # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
         self.constant_slots: list | None = None
 
+    @property
+    def lock(self) -> Any:
+        """The model's reentrant lock (see ``__init__``); a no-op while torch.compile traces.
+
+        Dynamo cannot trace a lock, and needs none: tracing is serialized by
+        its compile lock, and a compiled step computes on the traced tensors
+        directly. What it still does to the module at run time is put back
+        in each slot the tensor the slot holds (its replay of the swaps,
+        which restored them): compiled steps may run alongside each other,
+        but not alongside an eager step of the same model.
+        """
+        return contextlib.nullcontext() if tracing() else self._lock
+
     def select(self, modules: Any) -> list[str]:
         """`select_blocks` for this model, found once per distinct ``modules`` argument."""
         key = tuple(modules) if isinstance(modules, list) else modules
         found = self._selections.get(key)
         if found is None:
-            found = self._selections[key] = select_blocks(self.model, modules, self)
+            found = remember(self._selections, key, select_blocks(self.model, modules, self))
         return found
 
     def submodules_of_type(self, name: str, kind: type) -> list[tuple[str, nn.Module]]:
@@ -170,15 +185,17 @@ class ModelStructure:
         found = self._of_type.get((name, kind))
         if found is None:
             block = self.model.get_submodule(name)
-            found = self._of_type[(name, kind)] = [
-                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)]
+            found = remember(self._of_type, (name, kind), [
+                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)])
         return found
 
     def blocks(self) -> list[str]:
         """The model's repeated blocks (`find_blocks` over every parameter, frozen ones included)."""
         if self._blocks is None:
-            self._blocks = find_blocks({n: p.numel() for n, p in
-                                        self.model.named_parameters(remove_duplicate=False)})
+            found = find_blocks({n: p.numel() for n, p in self.model.named_parameters(remove_duplicate=False)})
+            if tracing():
+                return found
+            self._blocks = found
         return self._blocks
 
     def block_param_names(self, name: str) -> dict[str, str]:
@@ -189,7 +206,7 @@ class ModelStructure:
             prefix = f"{name}." if name else ""
             names = {local: self.aliases[prefix + local]
                      for local, p in block.named_parameters(remove_duplicate=False) if p.requires_grad}
-            self._block_names[name] = names
+            remember(self._block_names, name, names)
         return names
 
     def block_has_ties(self, name: str) -> bool:
@@ -200,14 +217,15 @@ class ModelStructure:
             block = self.model.get_submodule(name)
             named = list(block.named_parameters(remove_duplicate=False)) + \
                 list(block.named_buffers(remove_duplicate=False))
-            tied = self._block_ties[name] = len({id(t) for _, t in named}) < len(named)
+            tied = remember(self._block_ties, name, len({id(t) for _, t in named}) < len(named))
         return tied
 
     def outer_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
         """``(name, key)`` of the trainable names outside the blocks with these ``prefixes``."""
         outer = self._outer.get(prefixes)
         if outer is None:
-            outer = self._outer[prefixes] = [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)]
+            outer = remember(self._outer, prefixes,
+                             [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)])
         return outer
 
     def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -224,9 +242,9 @@ class ModelStructure:
         found = self._placeholders.get(index)
         if found is None:
             shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
-            found = self._placeholders[index] = {
+            found = remember(self._placeholders, index, {
                 name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device, self)
-                for name, key in self.aliases.items() if key in keys}
+                for name, key in self.aliases.items() if key in keys})
         return found
 
     def check_trainable(self) -> None:
@@ -491,7 +509,9 @@ def run_model_call(call: ModelCall) -> Any:
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
                              if key in call.params})
-    if call.partial_keys:
+    if call.partial_keys and not tracing():
+        # (A compiled step cannot trace the placeholders, a tensor subclass made per call: there a block's
+        # parameter used outside its block is not supported, see `zfunc.transforms.shard_compiled`.)
         outer_params.update(structure.placeholders(call.partial_keys, call.params))
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
     with structure.lock:

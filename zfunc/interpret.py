@@ -161,8 +161,30 @@ class StepContext:
 _CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
 
 
+class _Traced:
+    """The context of the transformed step that `torch.compile` is tracing (see `current`).
+
+    Dynamo cannot trace `ContextVar.get`, but it does trace reads and writes
+    of a plain object's attribute, symbolically: while it traces a step, the
+    traced ``__call__`` stores its context here in the tracer's model of the
+    program only, and the compiled code's one runtime effect on this object
+    is to write back the value it already holds (None). Tracing is
+    serialized by dynamo's compile lock, so two threads never see each
+    other's context here, and eager steps never touch it.
+    """
+
+    def __init__(self) -> None:
+        self.context: StepContext | None = None
+
+
+_TRACED = _Traced()
+
+
 def current() -> StepContext | None:
-    """The context of the transformed step running now on this thread, if any."""
+    """The context of the transformed step running now on this thread, if any (while torch.compile
+    traces a step: the traced step's)."""
+    if torch.compiler.is_dynamo_compiling():
+        return _TRACED.context
     return _CONTEXT.get()
 
 
@@ -173,7 +195,7 @@ def dispatch(primitive: str, plain: Callable, *args: Any) -> Any:
     continues with the next handler, and after the innermost with
     ``plain(*args)``.
     """
-    ctx = _CONTEXT.get()
+    ctx = current()
     if ctx is None:
         return plain(*args)
     handlers = ctx.stack.handlers[primitive]
@@ -289,6 +311,8 @@ class Transform:
 
     # -- the step --------------------------------------------------------
     def __call__(self, state, batch):
+        if torch.compiler.is_dynamo_compiling():
+            return self._traced_call(state, batch)
         ctx = _CONTEXT.get()
         if ctx is not None and self in ctx.stack:  # called by the transform around it
             return self._run(ctx, state, batch)
@@ -306,6 +330,24 @@ class Transform:
             return out
         finally:
             _CONTEXT.reset(token)
+
+    def _traced_call(self, state, batch):
+        """``__call__`` while torch.compile traces it: the same steps, the context kept in `_TRACED`
+        (which dynamo can trace) instead of the ContextVar (which it cannot)."""
+        ctx = _TRACED.context
+        if ctx is not None and self in ctx.stack:
+            return self._run(ctx, state, batch)
+        # A fresh Stack, not the cached ``self.stack``: filling that cache while tracing would be replayed
+        # when the compiled step runs, and change what the next call's guards saw (`zfunc.compiled`).
+        ctx = StepContext(Stack(self))
+        outer, _TRACED.context = _TRACED.context, ctx
+        try:
+            out = self._run(ctx, state, batch)
+            if not (isinstance(out, tuple) and out and out[0] is state):
+                consume(state, f"{self!r}")
+            return out
+        finally:
+            _TRACED.context = outer
 
     def _run(self, ctx: StepContext, state, batch):
         check_alive(state, f"{self.name}(...)")
@@ -327,7 +369,7 @@ class Transform:
 
     def call_scratch(self) -> Any:
         """The scratch `start` made for the step running now on this thread."""
-        ctx = _CONTEXT.get()
+        ctx = current()
         if ctx is None:
             raise RuntimeError(f"{self.name}'s primitives ran outside its step")
         return ctx.of(self)

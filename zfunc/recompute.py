@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from zfunc.autodiff import under_torch_func_or_compile
+from zfunc.compiled import tracing
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -71,6 +72,10 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
       What ``body`` returns.
     """
     _refuse_kv_cache((args, kwargs))
+    if tracing():
+        # torch.compile: the block runs as it is and its activations stay (see `zfunc.compiled`: a
+        # recompute's backward cannot be traced correctly there), so dropout needs no replay.
+        return body(params, *args, **kwargs)
     if save is None and not under_torch_func_or_compile():
         return _checkpoint_eagerly(body, params, args, kwargs, context_fn)
     keys = list(params)

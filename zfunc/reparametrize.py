@@ -24,6 +24,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from zfunc.compiled import remember
+
 # (the owning module's _parameters or _buffers dict, attribute name), one per given name
 Slots = list[tuple[dict, str]]
 
@@ -40,7 +42,7 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
     key = (module, tuple(tensors))
     slots = cache.get(key)
     if slots is None:
-        slots = cache[key] = _find_slots(module, tensors) or False
+        slots = remember(cache, key, _find_slots(module, tensors) or False)
     if slots is False:
         with torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=tie_weights,
                                                              strict=False):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from zfunc.compiled import tracing
 from zfunc.interpret import Donation, UpdateRequest, Updated, check_laid_out_by, current, dispatch
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.fused import fused_update
@@ -129,7 +130,8 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     other optimizer, the pure update (`pure_update`).
     """
     ctx = current()
-    if ctx is not None and ctx.facts.fused_update and tx.fused is not None:
+    # (Under torch.compile the pure update: dynamo cannot trace the kernels, and Inductor fuses it.)
+    if ctx is not None and ctx.facts.fused_update and tx.fused is not None and not tracing():
         done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
                             request.host_threads)
         if done is not None:

@@ -17,6 +17,8 @@ import optree
 import torch
 import torch.utils._pytree as torch_pytree
 
+from zfunc.compiled import TracedSpec, traced_flatten, traced_map, traced_unflatten, tracing
+
 NAMESPACE = "zfunc"
 
 PyTree = Any
@@ -40,15 +42,21 @@ def register_pytree_node(cls: type, flatten: Callable, unflatten: Callable) -> N
 
 def tree_leaves(tree: PyTree) -> list:
     """Leaves of ``tree`` in a deterministic order (dicts by sorted key)."""
+    if tracing():  # (see `zfunc.compiled`)
+        return traced_flatten(tree)[0]
     return optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
 def tree_flatten(tree: PyTree):
     """``(leaves, treedef)``; ``tree_unflatten(treedef, leaves)`` inverts it."""
+    if tracing():
+        return traced_flatten(tree)
     return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
 def tree_unflatten(treedef, leaves) -> PyTree:
+    if isinstance(treedef, TracedSpec):
+        return traced_unflatten(treedef, leaves)
     return optree.tree_unflatten(treedef, leaves)
 
 
@@ -58,6 +66,8 @@ def tree_structure(tree: PyTree):
 
 def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
     """Apply ``fn`` leaf-wise over ``tree`` and trees of the same structure."""
+    if tracing():
+        return traced_map(fn, tree, *rest)
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
 
 

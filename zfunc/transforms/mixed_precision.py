@@ -94,8 +94,9 @@ import torch
 from torch import nn
 
 from zfunc.autodiff import split_loss
+from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, UpdateRequest, Updated, psum
-from zfunc.tree import tree_map_tensors
+from zfunc.tree import tree_map, tree_map_tensors
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
 
@@ -190,6 +191,10 @@ class Policy:
             if self == Policy.parse(name):
                 return name
         return self
+
+
+_POLICY_MISMATCH = ("this state was made under another mixed-precision policy than this compiled step's; use the "
+                    "step that made it, or build a fresh state with this step's init")
 
 
 class MixedPrecisionState(NamedTuple):
@@ -335,6 +340,10 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if not isinstance(mp, MixedPrecisionState):
             raise ValueError("this state is not in mixed_precision's layout: call step.init(state) on the plain "
                              "state from TrainState.create first")
+        if tracing():  # the codes are data to a compiled step: checked when it runs, not read on the host
+            expected = self._policy_codes(mp.policy.device)
+            torch._assert_async((mp.policy == expected).all(), _POLICY_MISMATCH)
+            return mp
         codes = mp.policy.tolist()
         if codes != self._policy_codes("cpu").tolist():
             names = {v: k for k, v in _CODES.items()}
@@ -390,13 +399,15 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         params = call.params
         if any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in params.values()):
             params = {k: cast_in(v) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-        versions = {k: v._version for k, v in params.items() if isinstance(v, torch.Tensor)}
+        # (A compiled step has no version counters to read: there the check is not made.)
+        versions = {} if tracing() else {k: v._version for k, v in params.items() if isinstance(v, torch.Tensor)}
         with call.structure.lock:  # the module's slots are shared with other threads' calls
             constants, buffers = self._constants(call, compute)
         call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
                                    kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
         out = next(call)
-        refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
+        if versions:
+            refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
         with call.structure.lock:
             self._write_back_buffers(call, buffers)
         return tree_map_tensors(
@@ -406,7 +417,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
     def _write_back_buffers(call, buffers) -> None:
         for original, copy, version, running_stat in buffers:
             # Running statistics are updated in place without a version bump: write them back always.
-            if running_stat or copy._version != version:
+            if running_stat or (version is not None and copy._version != version):
                 try:
                     with torch.no_grad():
                         original.copy_(copy)
@@ -437,7 +448,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                 if is_buffer and source is tensor:  # the module's own buffer: write in-place updates back
                     running = norm is not None and norm.training and norm.track_running_stats \
                         and attr in ("running_mean", "running_var")
-                    buffers.append((tensor, copy, copy._version, running))
+                    buffers.append((tensor, copy, None if tracing() else copy._version, running))
             constants[name] = cast[id(source)]
         return constants, buffers
 
@@ -466,16 +477,29 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         overflow = found > 0
         new_mp, at_min = self._update_scale(mp, overflow)
         info.skipped = overflow
+        skipped = Updated(state.replace(extras={**state.extras, self.name: new_mp}), None)
+        if tracing():
+            # torch.compile: no host read. The update is computed, and where it overflowed the state
+            # keeps its old values (`where_tree`); the error at the minimum scale is raised when it runs.
+            torch._assert_async(~at_min, self._at_min_message())
+            applied = self._applied(next, state, grads, request, mp, new_mp)
+            return Updated(where_tree(overflow, skipped.state, applied.state), applied.compute_copy)
         if bool(overflow):  # the one host sync of an fp16 step
             if bool(at_min):
-                raise FloatingPointError(
-                    f"mixed_precision: gradients overflowed (inf/NaN) at the minimum loss scale "
-                    f"{self.min_loss_scale:g}; the loss scale cannot drop further. fp16's range is too small "
-                    "for this run: use policy 'bf16' (same memory, fp32's exponent range), or lower "
-                    "min_loss_scale; a NaN at every step may also come from the model or the data "
-                    "(check the loss).")
+                raise FloatingPointError(self._at_min_message())
             # Skipped: params, master, optimizer state and step stay; only the scaler moves.
-            return Updated(state.replace(extras={**state.extras, self.name: new_mp}), None)
+            return skipped
+        return self._applied(next, state, grads, request, mp, new_mp)
+
+    def _at_min_message(self) -> str:
+        return (f"mixed_precision: gradients overflowed (inf/NaN) at the minimum loss scale "
+                f"{self.min_loss_scale:g}; the loss scale cannot drop further. fp16's range is too small "
+                "for this run: use policy 'bf16' (same memory, fp32's exponent range), or lower "
+                "min_loss_scale; a NaN at every step may also come from the model or the data "
+                "(check the loss).")
+
+    def _applied(self, next, state, grads, request, mp: MixedPrecisionState, new_mp: MixedPrecisionState) -> Updated:
+        """The update of a step that did not overflow (fp16)."""
         if not mp.master:
             new = next(state, grads, request)
             return Updated(new.state.replace(extras={**new.state.extras, self.name: new_mp}), new.compute_copy)
@@ -509,6 +533,19 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
         return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps, mp.policy), at_min
+
+
+def where_tree(condition: torch.Tensor, if_true: Any, if_false: Any) -> Any:
+    """Leaf-wise ``torch.where(condition, a, b)`` over two states (or trees) of one structure (other
+    leaves from ``if_false``): the branch-free form of "skip this update" in a compiled step."""
+    def pick(a, b):
+        return tree_map(lambda x, y: torch.where(condition, x, y) if isinstance(y, torch.Tensor) else y, a, b)
+
+    if hasattr(if_false, "opt_state"):  # a TrainState: field by field (its static fields are shared)
+        return if_false.replace(step=pick(if_true.step, if_false.step), params=pick(if_true.params, if_false.params),
+                                opt_state=pick(if_true.opt_state, if_false.opt_state),
+                                extras=pick(if_true.extras, if_false.extras))
+    return pick(if_true, if_false)
 
 
 def unscale_and_check_(grads: list[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
@@ -560,6 +597,7 @@ def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
             slots += [(head + attr, module._parameters, attr, False, None)
                       for attr, p in module._parameters.items() if p is not None and not p.requires_grad]
             slots += [(head + attr, module._buffers, attr, True, norm) for attr in module._buffers]
-        call.structure.constant_slots = slots
+        if not tracing():  # (a store while torch.compile traces would cost a recompile: `zfunc.compiled`)
+            call.structure.constant_slots = slots
     return slots
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 
+from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.optim.fused import contiguous_runs, span_of
 from zfunc.tree import tree_map_tensors
@@ -184,8 +185,10 @@ class offload(Transform):  # noqa: N801
         ctx = current()
         if ctx is not None:
             ctx.state_consumed = True
-        fused = ctx is not None and ctx.facts.fused_update and state.tx.fused is not None
-        if not fused:  # the pytree update runs on host tensors: move the gradients there first
+        fused = ctx is not None and ctx.facts.fused_update and state.tx.fused is not None and not tracing()
+        if tracing():  # torch.compile: plain device-to-host copies the graph orders (`zfunc.compiled`)
+            grads = {k: g.to("cpu") for k, g in grads.items()}
+        elif not fused:  # the pytree update runs on host tensors: move the gradients there first
             grads = copy_grouped(grads, lambda t: t.device.type != "cpu")
             if torch.cuda.is_available():
                 torch.cuda.current_stream().synchronize()  # the non-blocking copies must land first
@@ -193,7 +196,8 @@ class offload(Transform):  # noqa: N801
         # and writes the new compute parameters straight back: `zfunc.optim.streamed`.)
         own_master = state.extras.get("offload")
         device_params = state.params
-        request = request._replace(host_threads=self.host_threads())
+        if not tracing():  # (the compiled update is Inductor's code, with its own threads)
+            request = request._replace(host_threads=self.host_threads())
         if own_master is not None:  # no mixed_precision: the device params are fp32, written back from the master
             inner = state.replace(params=own_master.master)
             request = request._replace(compute_dtype=next_dtype(device_params), compute_into=dict(device_params))
@@ -202,7 +206,12 @@ class offload(Transform):  # noqa: N801
         new = next(inner, grads, request)
         written = new.compute_copy if own_master is not None and new.compute_copy is not None else new.state.params
         # Back to the device, in the compute dtype, in place (what the kernel did not write there itself).
-        write_grouped({k: t for k, t in written.items() if t is not device_params[k]}, device_params)
+        fresh = {k: t for k, t in written.items() if t is not device_params[k]}
+        if tracing():
+            for k, t in fresh.items():
+                device_params[k].copy_(t)
+        else:
+            write_grouped(fresh, device_params)
         extras = dict(new.state.extras)
         if own_master is not None:
             extras["offload"] = OffloadState(new.state.params)

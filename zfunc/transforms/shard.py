@@ -57,8 +57,10 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from zfunc import dist
+from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.tiers.placement import Placement
+from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
     ROOT,
     ShardLayout,
@@ -267,7 +269,10 @@ class shard(Transform):  # noqa: N801
 
     @staticmethod
     def _full_flats(params: dict, layout: ShardLayout) -> dict[str, torch.Tensor]:
-        """Stages 1/2: the flat buffer each unit's full parameters are views of."""
+        """Stages 1/2: the flat buffer each unit's full parameters are views of (while torch.compile
+        traces, which cannot find it: the unit's full parameters themselves, `shard_compiled`)."""
+        if tracing():
+            return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
         flats = {}
         for unit in layout.units:
             flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
@@ -282,6 +287,8 @@ class shard(Transform):  # noqa: N801
         """This rank's 1-D slices of the parameters (views, no copy)."""
         if layout.stage == 3:
             return dict(params)
+        if tracing():
+            return param_shards(params, layout)
         flats = self._full_flats(params, layout) if flats is None else flats
         shards = {}
         for unit in layout.units:
@@ -291,7 +298,8 @@ class shard(Transform):  # noqa: N801
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
         layout, group = self._check_layout(state)
-        comm = dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype)
+        comm = (CompiledComm(group, ctx.facts.reduce_dtype) if tracing()
+                else dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
                       verify=self.verify) if self.stage > 1 else None
         return _Call(layout, comm, units)
@@ -395,7 +403,9 @@ class shard(Transform):  # noqa: N801
         write_back(shards, new.state.params)
         opt_state = zip_param_shaped(state.opt_state, new.state.opt_state, keys, write_back)
         extras = zip_param_shaped(state.extras, new.state.extras, keys, write_back)
-        if self.stage != 3:
+        if self.stage != 3 and tracing():
+            gather_updated(comm, state.params, layout)
+        elif self.stage != 3:
             for unit in layout.units:
                 flat = flats[unit.name]
                 comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)

@@ -19,11 +19,11 @@ optimizer and the user still see a dict keyed by parameter name
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Iterable
 
 import torch
 
+from zfunc.compiled import cached_property, remember
 from zfunc.functional import find_blocks
 from zfunc.tree import register_pytree_node
 
@@ -43,11 +43,11 @@ class UnitLayout:
     # of every unit in every forward, and recomputing them made its Python
     # overhead grow with the square of a unit's parameter count (~30 ms per
     # GPT-2-medium step). The layout is immutable, so the cache never goes stale.
-    @functools.cached_property
+    @cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(_prod(s) for s in self.shapes)
 
-    @functools.cached_property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         out, pos = [], 0
         for n in self.numels:
@@ -55,15 +55,15 @@ class UnitLayout:
             pos += n
         return tuple(out)
 
-    @functools.cached_property
+    @cached_property
     def numel(self) -> int:
         return sum(self.numels)
 
-    @functools.cached_property
+    @cached_property
     def shard_size(self) -> int:
         return -(-self.numel // self.world_size)
 
-    @functools.cached_property
+    @cached_property
     def padded(self) -> int:
         return self.shard_size * self.world_size
 
@@ -105,7 +105,7 @@ class UnitLayout:
         return [flat_full.as_strided(shape, stride, base + offset)
                 for shape, stride, offset in zip(self.shapes, self._strides, self.offsets)]
 
-    @functools.cached_property
+    @cached_property
     def _strides(self) -> tuple[tuple[int, ...], ...]:
         return tuple(torch.empty(shape, device="meta").stride() for shape in self.shapes)
 
@@ -132,10 +132,10 @@ class UnitLayout:
         """Where each key's slice starts in ``rank``'s flat shard (cached per rank)."""
         cache = self._positions
         if rank not in cache:
-            cache[rank] = tuple(self.shard_position(i, rank) for i in range(len(self.keys)))
+            return remember(cache, rank, tuple(self.shard_position(i, rank) for i in range(len(self.keys))))
         return cache[rank]
 
-    @functools.cached_property
+    @cached_property
     def _positions(self) -> dict[int, tuple[int, ...]]:
         return {}
 
@@ -193,7 +193,7 @@ class ShardLayout:
         """``{param key: its unit}`` (built once; the layout is immutable)."""
         return self._unit_of
 
-    @functools.cached_property
+    @cached_property
     def _unit_of(self) -> dict[str, UnitLayout]:
         return {key: unit for unit in self.units for key in unit.keys}
 
@@ -201,11 +201,11 @@ class ShardLayout:
         """The unit called ``name`` (``ROOT`` for the root), if there is one."""
         return self._by_name.get(name)
 
-    @functools.cached_property
+    @cached_property
     def _by_name(self) -> dict[str, UnitLayout]:
         return {unit.name: unit for unit in self.units}
 
-    @functools.cached_property
+    @cached_property
     def keys(self) -> frozenset[str]:
         return frozenset(k for u in self.units for k in u.keys)
 

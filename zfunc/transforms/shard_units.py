@@ -45,7 +45,9 @@ import torch
 
 from zfunc import dist
 from zfunc.autodiff import under_torch_func_or_compile
+from zfunc.compiled import tracing
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
+from zfunc.transforms.shard_compiled import unit_views
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
 from zfunc.tree import tree_flatten, tree_unflatten
 
@@ -189,7 +191,7 @@ class Units:
         if self.agreed:
             return
         self.agreed = True
-        if not self.verify or self.comm.group.size == 1:
+        if not self.verify or self.comm.group.size == 1 or tracing():  # (not checked when compiled)
             return
         mine = {name: use.uses for name, use in self.uses.items() if use.uses}
         counts = dist.all_gather_json(mine, self.comm.group, "comparing the units each rank ran")
@@ -358,6 +360,8 @@ class Units:
         return resolve
 
     def _composable_views(self, unit: UnitLayout, slices: dict, params: dict, full_flats: dict | None) -> dict:
+        if tracing():  # torch.compile: functional collectives (`shard_compiled`)
+            return unit_views(self.comm, unit, slices, self.rank, full_flats[unit.name] if full_flats else None)
         flat_shard = unit.cat_shard(slices, self.rank)
         if full_flats is not None:
             full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), self.comm, unit.name)
@@ -417,6 +421,8 @@ def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, 
                  unit: UnitLayout) -> Any:
     """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
     copying out any output that is a view of them (it would outlive the buffer)."""
+    if tracing():  # no version counters or storages to check in a compiled step (nor buffers to release)
+        return body(block_params, *args, **kwargs)
     base = next(iter(views.values()))
     version = base._version
     out = body(block_params, *args, **kwargs)

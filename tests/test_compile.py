@@ -1,0 +1,146 @@
+"""torch.compile(step, fullgraph=True) of whole transformed steps, against the eager step.
+
+Each case runs the same stack eagerly and compiled from the same state on the same
+batches and compares the gathered parameters element-wise after a few steps. The
+compiled step uses the pure optimizer update (the eager one a fused kernel, exact to
+the ulp) and functional collectives, so the comparison allows a few ulps. Backends:
+"aot_eager" (dynamo and AOTAutograd, no code generation) keeps this file fast on a
+2-core box; one slow case runs Inductor. Recompiles are counted with dynamo's
+counters and refused with ``error_on_recompile``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc as zf
+from tests.models import make_batch
+from tests.shard_cases import build, local_batch, rank_and_world
+from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
+
+STEPS = 3
+
+STACKS = {
+    "s1": lambda s: shard(mixed_precision(s, "bf16"), stage=1),
+    "s2_offload_accumulate": lambda s: shard(offload(accumulate(mixed_precision(s, "bf16"), 2)), stage=2),
+    "s3_checkpoint": lambda s: shard(checkpoint(mixed_precision(s, "bf16")), stage=3),
+}
+
+
+def _gathered(step, state) -> dict:
+    return {k: v.float().clone() for k, v in step.gather(state).items()}
+
+
+def eager_and_compiled(make, backend: str = "aot_eager", steps: int = STEPS, batch=None) -> dict:
+    """Run ``make(plain_step)`` eagerly and compiled (fullgraph) on this rank; both final params,
+    the compiled metrics, the number of graphs compiled and of recompiles."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    rank, world = rank_and_world()
+    batch = batch or (lambda i: local_batch(i, rank, world))
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        plain, state = build()
+        step = make(plain)
+        state = step.init(state)
+        run = torch.compile(step, fullgraph=True, backend=backend) if compiled else step
+        with torch._dynamo.config.patch(error_on_recompile=compiled):
+            for i in range(steps):
+                state, metrics = run(state, batch(i))
+        out["compiled" if compiled else "eager"] = _gathered(step, state)
+        out["metrics_compiled" if compiled else "metrics_eager"] = {k: float(v) for k, v in metrics.items()}
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    out["recompiles"] = sum(counters["recompiles"].values()) if "recompiles" in counters else 0
+    return out
+
+
+def check(result: dict, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    eager, compiled = result["eager"], result["compiled"]
+    assert eager.keys() == compiled.keys()
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=rtol, atol=atol, msg=key)
+    assert result["graphs"] == 1 and result["recompiles"] == 0, result
+    for name in ("loss", "loss_scale", "skipped"):
+        if name in result["metrics_eager"]:
+            assert result["metrics_compiled"][name] == pytest.approx(result["metrics_eager"][name], rel=1e-6)
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+def test_compute_stack_world_1(dist):
+    """accumulate(checkpoint(mixed_precision)) on one rank: one graph, equal to eager."""
+    make = lambda s: accumulate(checkpoint(mixed_precision(s, "bf16")), 2)  # noqa: E731
+    check(dist(eager_and_compiled, 1, make, timeout=600)[0])
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+@pytest.mark.parametrize("name", list(STACKS))
+def test_shard_world_2(dist, name):
+    """shard stages 1-3 (with mixed precision, checkpoint, accumulate, offload) on 2 gloo ranks."""
+    results = dist(eager_and_compiled, 2, STACKS[name], timeout=900)
+    for result in results:
+        check(result)
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+def test_shard_stage_3_world_1(dist):
+    check(dist(eager_and_compiled, 1, STACKS["s3_checkpoint"], timeout=600)[0])
+
+
+def _fp16_overflowing(s):
+    # 2**40 overflows fp16 at once: the first steps are skipped while the scale halves.
+    return shard(mixed_precision(s, "fp16", initial_scale_power=40, hysteresis=1), stage=2)
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+def test_fp16_skip_is_branch_free(dist):
+    """The skip of an overflowing fp16 step traces (torch.where on the update) and skips exactly the
+    steps eager skips: same scale, same params."""
+    result = dist(eager_and_compiled, 2, _fp16_overflowing, steps=4, timeout=900)[0]
+    check(result)
+    assert result["metrics_compiled"]["loss_scale"] < 2.0 ** 40  # the scale moved: steps were skipped
+
+
+def _hundred_steps() -> dict:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    plain, state = build("clip+schedule")
+    step = mixed_precision(plain, "bf16")
+    state = step.init(state)
+    run = torch.compile(step, fullgraph=True, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(100):
+            state, _ = run(state, make_batch(8, seed=i % 7))
+    return {"graphs": counters["stats"]["unique_graphs"], "steps": int(state.step),
+            "recompiles": sum(counters["recompiles"].values()) if "recompiles" in counters else 0}
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+def test_a_hundred_steps_compile_once(dist):
+    """Step counter, learning-rate schedule and clip are tensors: 100 steps, one graph, no recompile."""
+    assert dist(_hundred_steps, 1, timeout=600)[0] == {"graphs": 1, "steps": 100, "recompiles": 0}
+
+
+def test_eager_steps_do_not_touch_the_trace_slot():
+    """The dispatch of an eager step reads only the ContextVar; the slot dynamo traces stays empty."""
+    from zfunc.interpret import _TRACED
+
+    plain, state = build()
+    step = mixed_precision(plain, "bf16")
+    state = step.init(state)
+    state, _ = step(state, make_batch(8))
+    assert _TRACED.context is None
+
+
+@pytest.mark.slow
+def test_inductor_shard_stage_1_world_2(dist):
+    """The real backend: Inductor's generated code, functional collectives over gloo."""
+    results = dist(eager_and_compiled, 2, STACKS["s1"], "inductor", timeout=1200)
+    for result in results:
+        check(result, rtol=1e-5, atol=1e-5)

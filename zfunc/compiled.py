@@ -1,0 +1,172 @@
+"""What a transformed step does differently while `torch.compile` traces it.
+
+A zfunc step is a pure function of ``(state, batch)``; ``torch.compile(step,
+fullgraph=True)`` turns the whole of it — forward, backward, the collectives
+of `shard` and the optimizer update — into one graph. Dynamo traces the same
+Python code the eager step runs; a few things it cannot trace take another
+route while it traces (``tracing()`` is true then, and false in every eager
+call, so the eager step is unchanged):
+
+- the step context: the eager step keeps it in a `contextvars.ContextVar`,
+  which dynamo cannot read; the traced step keeps it in a plain object
+  (`zfunc.interpret.current`), written only in the tracer's model of the
+  program;
+- memo caches (a model's parameter slots, a block's names): filled by eager
+  calls only. A cache entry stored while tracing would be written for real
+  when the compiled step runs, and the next call's guards (which saw the
+  cache without it) would fail: one needless recompile. Tracing computes
+  the entry instead of storing it (`remember`);
+- the model's lock: none while tracing (dynamo serializes tracing);
+- collectives (`shard`): torch's functional collectives, which Inductor can
+  reorder and overlap (`zfunc.transforms.shard_compiled`), instead of
+  asynchronous work objects waited for with a timeout;
+- the optimizer: the pure pytree update instead of the fused kernels (numba,
+  Triton), which dynamo cannot trace; Inductor fuses the pure update itself;
+- fp16 loss scaling: the skip of an overflowing step is a ``torch.where`` on
+  the update instead of a Python branch on a host read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, TypeVar
+
+import torch
+import torch.utils._pytree as torch_pytree
+
+T = TypeVar("T")
+
+
+def tracing() -> bool:
+    """Whether dynamo (torch.compile) is tracing the code that calls this (false in eager code)."""
+    return torch.compiler.is_dynamo_compiling()
+
+
+def remember(cache: dict, key: Any, value: T) -> T:
+    """``cache[key] = value`` (returns ``value``), except while dynamo traces (see the module doc)."""
+    if not torch.compiler.is_dynamo_compiling():
+        cache[key] = value
+    return value
+
+
+# --------------------------------------------------------------------------
+# Pytrees while tracing.
+#
+# zfunc's pytrees go through optree (`zfunc.tree`), which dynamo traces through its own
+# polyfill; on torch 2.13 with optree 0.20 that polyfill fails on an empty dict (a block
+# called without keyword arguments: optree's dict metadata cannot be wrapped). While
+# tracing, the same trees are flattened here instead, by optree's rules for the nodes
+# zfunc uses: None has no children, tuples and lists, dicts in sorted key order (rebuilt
+# in their insertion order), NamedTuples, and the types registered with torch's pytree
+# (`zfunc.tree.register_pytree_node` registers zfunc's there); anything else is a leaf.
+
+
+class TracedSpec(NamedTuple):
+    """A tree's structure, as flattened while tracing (``kind`` None: a leaf)."""
+
+    kind: Any
+    meta: Any
+    children: tuple
+
+
+_LEAF = TracedSpec(None, None, ())
+
+
+def _one_level(node: Any) -> tuple[tuple, Any] | None:
+    """``(children, meta)`` of a node; None for a leaf."""
+    kind = type(node)
+    if node is None:
+        return (), None
+    if kind is tuple or kind is list:
+        return tuple(node), None
+    if kind is dict:
+        keys = list(node)
+        try:
+            order = sorted(keys)
+        except TypeError:  # keys of mixed types: optree keeps their order then
+            order = keys
+        return tuple(node[k] for k in order), (tuple(order), tuple(keys))
+    if isinstance(node, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
+        return tuple(node), None
+    entry = torch_pytree.SUPPORTED_NODES.get(kind)
+    if entry is None:
+        return None
+    children, context = entry.flatten_fn(node)
+    return tuple(children), context
+
+
+def traced_flatten(tree: Any) -> tuple[list, TracedSpec]:
+    """``(leaves, spec)`` of ``tree`` (see above)."""
+    leaves: list = []
+
+    def visit(node: Any) -> TracedSpec:
+        level = _one_level(node)
+        if level is None:
+            leaves.append(node)
+            return _LEAF
+        children, meta = level
+        return TracedSpec(type(node), meta, tuple(visit(c) for c in children))
+
+    spec = visit(tree)
+    return leaves, spec
+
+
+def traced_unflatten(spec: TracedSpec, leaves: Any) -> Any:
+    """The tree of structure ``spec`` holding ``leaves`` (inverts `traced_flatten`)."""
+    it = iter(leaves)
+
+    def build(s: TracedSpec) -> Any:
+        if s.kind is None:
+            return next(it)
+        children = [build(c) for c in s.children]
+        if s.kind is type(None):
+            return None
+        if s.kind is tuple:
+            return tuple(children)
+        if s.kind is list:
+            return children
+        if s.kind is dict:
+            order, keys = s.meta
+            out = dict.fromkeys(keys)
+            out.update(zip(order, children))
+            return out
+        if issubclass(s.kind, tuple) and hasattr(s.kind, "_fields"):
+            return s.kind(*children)
+        return torch_pytree.SUPPORTED_NODES[s.kind].unflatten_fn(children, s.meta)
+
+    return build(spec)
+
+
+def traced_map(fn: Callable, tree: Any, *rest: Any) -> Any:
+    """``fn`` applied leaf-wise over ``tree`` and trees of its structure."""
+    leaves, spec = traced_flatten(tree)
+    others = [traced_flatten(r)[0] for r in rest]
+    if any(len(o) != len(leaves) for o in others):
+        raise ValueError("tree_map: the trees have different structures")
+    return traced_unflatten(spec, [fn(*xs) for xs in zip(leaves, *others)])
+
+
+class cached_property:  # noqa: N801 (a drop-in for functools.cached_property)
+    """`functools.cached_property` for values that are pure functions of their object, readable
+    while dynamo traces: no lock (Python 3.11's takes an RLock, which dynamo cannot trace), and,
+    while tracing, computed without being stored (see `remember`)."""
+
+    def __init__(self, func: Callable) -> None:
+        self.func = func
+        self.name = func.__name__
+        self.__doc__ = func.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        found = instance.__dict__.get(self.name, _MISSING)
+        if found is _MISSING:
+            found = self.func(instance)
+            if not torch.compiler.is_dynamo_compiling():
+                instance.__dict__[self.name] = found
+        return found
+
+
+_MISSING = object()
