@@ -310,6 +310,37 @@ def _gather_within_timeout(t: torch.Tensor, group: Group, what: str) -> torch.Te
     return out
 
 
+CALL_NAME_BYTES = 64  # the fixed size of `announce`'s exchange
+
+
+def announce(group: Group, call: str) -> None:
+    """Check that every rank is starting the same zfunc call ``call``; raise on every rank if not.
+
+    Each communicating entry point (a `shard` step, ``step.gather``,
+    ``step.init``, each exchange of ``zf.io.save``/``restore``) first
+    all-gathers its name in a fixed-size buffer. Ranks in different calls
+    (one saves while another steps, one gathers while another steps) thus
+    meet in exchanges of equal size and all get this error, where their own
+    collectives would have had different sizes: gloo aborts the process on
+    that, and NCCL may pair the wrong bytes. A rank that never comes makes
+    the others time out here (`wait`).
+    """
+    if group.size == 1:
+        return
+    name = call.encode()[:CALL_NAME_BYTES]
+    mine = torch.zeros(CALL_NAME_BYTES, dtype=torch.uint8)
+    if name:
+        mine[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+    got = _gather_within_timeout(mine.to(group.device), group, f"starting {call}").cpu().view(group.size, -1)
+    names = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in got]
+    if any(n != names[group.rank] for n in names):
+        calls = "; ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+        raise CollectiveError(
+            f"{call} on rank {group.rank}: the ranks are in different zfunc calls ({calls}). Every rank must make "
+            "the same zfunc calls in the same order (every rank steps, every rank calls step.gather, zf.io.save "
+            "and zf.io.restore).")
+
+
 def agree(value, group: Group, what: str) -> None:
     """Check that every rank holds the same ``value`` (JSON-able); raise the same error on every rank if not.
 

@@ -35,6 +35,7 @@ def exchange(op: str, phase: str, obj: Any, group: dist.Group, extra_s: float = 
     """
     if extra_s:
         group = dataclasses.replace(group, timeout=group.timeout + extra_s)
+    dist.announce(group, f"zf.io.{op}")
     got = dist.all_gather_json([op, phase, obj], group,
                                f"zf.io.{op} ({phase}): every rank of the process group must call zf.io.{op}, "
                                "not only rank 0")

@@ -241,6 +241,7 @@ class shard(Transform):  # noqa: N801
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
         layout, group = self._check_layout(state)
+        dist.announce(group, "step.gather of shard")
         shards = next(state.replace(params=self._param_shards(state.params, layout)))
         comm = dist.Comm(group)
         full = {}
@@ -298,6 +299,9 @@ class shard(Transform):  # noqa: N801
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
         layout, group = self._check_layout(state)
+        if group.device.type == "cpu" and not tracing():
+            # (Not on GPUs: reading the names back would make the host wait for the GPU every step.)
+            dist.announce(group, f"a step of shard(stage={self.stage})")
         comm = (CompiledComm(group, ctx.facts.reduce_dtype) if tracing()
                 else dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
@@ -454,6 +458,7 @@ def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dis
     """Every rank must build the same step over the same model: refuse, on every rank, otherwise."""
     if group.size == 1:
         return
+    dist.announce(group, "step.init of shard")
     described = {
         "the step": repr(transform),
         "the parameter names, in order": list(state.params),
