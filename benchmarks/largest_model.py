@@ -118,7 +118,9 @@ def run_zfunc(args, device, micro_batches):
     inner = checkpoint(mixed_precision(accumulate(train_step, micro_batches), "bf16"))
     nvme = {"nvme_dir": args.nvme_dir}
     forced = {"device_fraction": 0.0} if args.contender == "zfunc-host" else {}
-    budgets = {"gpu_bytes": torch.cuda.mem_get_info(device)[0], "host_bytes": int(args.host_limit_gib * GiB),
+    # The host budget is what the limit leaves above this process as it stands (CUDA context, libraries).
+    budgets = {"gpu_bytes": torch.cuda.mem_get_info(device)[0],
+               "host_bytes": int(args.host_limit_gib * GiB) - _group_rss(os.getpgid(0)),
                "nvme_bytes": _disk_free(args.nvme_dir)}
     start = time.perf_counter()
     memory_plan = zf.plan(shard(offload(inner, **nvme, **forced), stage=3), loss_fn,

@@ -140,7 +140,7 @@ class _Plan:
 
 
 class _RecomputeFunction(torch.autograd.Function):
-    # vmap (per-example gradients) runs forward/backward under vmap itself (DESIGN.md).
+    # vmap (per-example gradients) runs forward/backward under vmap itself (torch.func cannot differentiate through a nested autograd.Function there).
     generate_vmap_rule = True
 
     @staticmethod

@@ -183,6 +183,8 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             host(p, g, m, v, target if out_dtype is not None else None, decay)
             if target is not None and out_dtype is None:
                 target.copy_(p)
+            for t in (p, m, v):  # state in NVMe tier files: back to the drive, out of host memory
+                page_out(t)
         else:
             _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor)
     if streamed:
@@ -190,6 +192,12 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
 
         streamed_update(streamed, host, out_dtype)
     return params, spec.advanced(opt_state, mu, nu, lr), copy
+
+
+def page_out(t: torch.Tensor) -> None:
+    from zfunc.tiers.placement import page_out as to_drive  # noqa: PLC0415
+
+    to_drive(t)
 
 
 class _HostKernel:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from zfunc.tiers.placement import is_mapped, page_out, prefetch
+
 # Elements per chunk: large enough that a chunk's copies run at full PCIe speed, small enough
 # that the four pinned buffers stay far below the state (~128 MiB each at fp32).
 CHUNK = 1 << 25
@@ -68,11 +70,20 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
             grad_bufs[slot][:b - a].copy_(g[a:b], non_blocking=cuda)
             landed[slot].record(down)
 
+    def on_drive(i: int) -> list[torch.Tensor]:
+        """Chunk i's state where it lives in NVMe tier files (`zfunc.tiers.placement`), else nothing."""
+        (p, _, m, v, *_), a, b = pieces[i]
+        return [t[a:b] for t in (p, m, v) if is_mapped(t)]
+
     download(0)
+    for piece in on_drive(0):
+        prefetch(piece)
     for i, ((p, g, m, v, out, decay, host_out), a, b) in enumerate(pieces):
         slot = i % 2
         if i + 1 < len(pieces):
             download(i + 1)  # its gradient buffer was read by the kernel of chunk i-1, which has returned
+            for piece in on_drive(i + 1):  # the drive reads chunk i+1 while the kernel updates chunk i
+                prefetch(piece)
         landed[slot].synchronize()
         n = b - a
         if host_out is not None:  # the parameters live on the host: written in place, nothing goes back
@@ -80,6 +91,8 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
                    decay)
             if out_dtype is None:
                 host_out[a:b].copy_(p[a:b])
+            for piece in on_drive(i):
+                page_out(piece)
             continue
         if sent[slot] is not None:
             sent[slot].synchronize()  # the upload of chunk i-2 has left this out buffer
@@ -87,6 +100,8 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
         kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], back if out_dtype is not None else None, decay)
         if out_dtype is None:
             back.copy_(p[a:b])  # fp32 parameters go back as they are
+        for piece in on_drive(i):  # written back to the drive and out of host memory
+            page_out(piece)
         target = out[a:b] if out is not None else None
         if target is not None:
             with streams.on(up):

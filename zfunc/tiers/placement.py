@@ -28,7 +28,13 @@ How each tier holds a tensor:
   is too small) and unlinked as soon as it is mapped, so it disappears with
   the process, even one that is killed, while the mapping keeps the data; the
   kernel pages units in as the update reads them and writes dirty pages back
-  to the drive, so host memory holds only what is in use.
+  to the drive. Left to itself the kernel would keep every page it ever
+  touched resident until memory runs short (host memory then looks full of
+  NVMe data, and the process's resident size passes any budget), so each
+  piece is asked ahead (`prefetch`: readahead while the previous piece
+  computes) and handed back once written (`page_out`: written back to the
+  drive and dropped from memory), and host memory holds only the pieces in
+  flight.
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class Placement:
         mapped = torch.from_file(path, shared=True, size=values.numel(), dtype=values.dtype)
         os.unlink(path)  # the mapping keeps the data; the file is gone with the process
         mapped.copy_(values.reshape(-1))
+        page_out(mapped)
         return mapped
 
     def summary(self) -> dict[Tier, int]:
@@ -114,6 +121,45 @@ class Placement:
         for tier in self.tiers.values():
             out[tier] += 1
         return out
+
+
+_MADV_WILLNEED, _MADV_DONTNEED, _MADV_PAGEOUT = 3, 4, 21
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def is_mapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in an NVMe tier file (a shared file mapping, `Placement._mapped`)."""
+    return t.device.type == "cpu" and t.untyped_storage().filename is not None
+
+
+def prefetch(t: torch.Tensor) -> None:
+    """Start reading the pages of ``t`` (part of a mapped NVMe tensor) from the drive, without waiting."""
+    _advise(t, _MADV_WILLNEED)
+
+
+def page_out(t: torch.Tensor) -> None:
+    """Write the pages of ``t`` (part of a mapped NVMe tensor) back to the drive and drop them from host
+    memory (Linux ``MADV_PAGEOUT``; where the kernel lacks it, ``MADV_DONTNEED``, which drops them from the
+    process and leaves the written-back pages to the page cache). The data stays in the file."""
+    if not _advise(t, _MADV_PAGEOUT):
+        _advise(t, _MADV_DONTNEED)
+
+
+def _advise(t: torch.Tensor, advice: int) -> bool:
+    """``madvise`` over the whole pages inside ``t``'s bytes (a partial page at either end is left alone:
+    it may hold a neighbour's data in use). False where the call is refused (old kernel, not Linux)."""
+    if not is_mapped(t) or t.numel() == 0:
+        return True
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    first, last = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    if last <= first:
+        return True
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), ctypes.c_int(advice)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def pinned_copy(values: torch.Tensor) -> torch.Tensor:
