@@ -145,7 +145,7 @@ def hangs():
 def test_ranks_that_part_ways_get_an_error_within_the_timeout(hangs, kind, stage, world):
     name = f"{kind}-stage{stage}"
     results = [per_rank[name] for per_rank in hangs[world]]
-    waiting = [r for r in results if r != "ok" and r[0] == "CollectiveError"]
+    waiting = [r for r in results if r != "ok" and r[0] in ("CollectiveError", "CallMismatch")]
     assert waiting, results
     expected = HANGS[(kind, stage, world)]
     for error, seconds, message in waiting:
@@ -180,7 +180,7 @@ def _saves_while_the_other_steps(directory: str):
 def test_a_rank_in_save_while_the_other_steps_gets_an_error(tmp_path):
     messages = run_distributed(_saves_while_the_other_steps, 2, str(tmp_path / "ck"), timeout=60)
     for message in messages:  # both ranks, at once (zfunc.dist.announce)
-        says(message, DIFFERENT, "rank 0: zf.io.save", "rank 1: a step of shard")
+        says(message, "rank 1 is in a step of shard|the ranks are in different zfunc calls", "zf.io.save")
 
 
 def _killed(world: int):

@@ -58,7 +58,7 @@ def eager_and_compiled(make, backend: str = "aot_eager", steps: int = STEPS, bat
     return out
 
 
-def check(result: dict, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+def check(result: dict, rtol: float = 1e-6, atol: float = 1e-6, metrics_rel: float = 1e-6) -> None:
     eager, compiled = result["eager"], result["compiled"]
     assert eager.keys() == compiled.keys()
     for key in eager:
@@ -66,7 +66,7 @@ def check(result: dict, rtol: float = 1e-6, atol: float = 1e-6) -> None:
     assert result["graphs"] == 1 and result["recompiles"] == 0, result
     for name in ("loss", "loss_scale", "skipped"):
         if name in result["metrics_eager"]:
-            assert result["metrics_compiled"][name] == pytest.approx(result["metrics_eager"][name], rel=1e-6)
+            assert result["metrics_compiled"][name] == pytest.approx(result["metrics_eager"][name], rel=metrics_rel)
 
 
 @pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
@@ -139,8 +139,17 @@ def test_eager_steps_do_not_touch_the_trace_slot():
 
 
 @pytest.mark.slow
-def test_inductor_shard_stage_1_world_2(dist):
-    """The real backend: Inductor's generated code, functional collectives over gloo."""
+def test_inductor_shard_stage_1_world_2(dist, monkeypatch):
+    """The real backend: Inductor's generated code, functional collectives over gloo.
+
+    Inductor fuses the bf16 stack's pointwise ops and by default keeps their intermediates in fp32, where
+    eager rounds each to bf16: after Adam (whose normalised step is ~lr whatever the gradient's size) that
+    moves parameters by up to ~lr. With ``emulate_precision_casts`` it rounds where eager does; what is
+    left is the order of bf16 reductions, a few 1e-4 here (a wrong reduction would be ~the weights'
+    size, 0.1-1)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
     results = dist(eager_and_compiled, 2, STACKS["s1"], "inductor", timeout=1200)
     for result in results:
-        check(result, rtol=1e-5, atol=1e-5)
+        check(result, rtol=1e-3, atol=5e-4, metrics_rel=1e-3)

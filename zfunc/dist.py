@@ -313,7 +313,15 @@ def _gather_within_timeout(t: torch.Tensor, group: Group, what: str) -> torch.Te
 CALL_NAME_BYTES = 64  # the fixed size of `announce`'s exchange
 
 
-def announce(group: Group, call: str) -> None:
+class CallMismatch(CollectiveError):
+    """Ranks met in `announce` from different zfunc calls; ``calls`` holds each rank's call, in rank order."""
+
+    def __init__(self, message: str, calls: list[str]) -> None:
+        super().__init__(message)
+        self.calls = calls
+
+
+def announce(group: Group, call: str, waiting: str | None = None) -> None:
     """Check that every rank is starting the same zfunc call ``call``; raise on every rank if not.
 
     Each communicating entry point (a `shard` step, ``step.gather``,
@@ -323,7 +331,9 @@ def announce(group: Group, call: str) -> None:
     meet in exchanges of equal size and all get this error, where their own
     collectives would have had different sizes: gloo aborts the process on
     that, and NCCL may pair the wrong bytes. A rank that never comes makes
-    the others time out here (`wait`).
+    the others time out here (`wait`; ``waiting`` names the wait in that
+    error, default "starting <call>"). Ranks in different calls raise
+    `CallMismatch`.
     """
     if group.size == 1:
         return
@@ -331,14 +341,15 @@ def announce(group: Group, call: str) -> None:
     mine = torch.zeros(CALL_NAME_BYTES, dtype=torch.uint8)
     if name:
         mine[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
-    got = _gather_within_timeout(mine.to(group.device), group, f"starting {call}").cpu().view(group.size, -1)
+    got = _gather_within_timeout(mine.to(group.device), group, waiting or f"starting {call}").cpu()
+    got = got.view(group.size, -1)
     names = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in got]
     if any(n != names[group.rank] for n in names):
         calls = "; ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-        raise CollectiveError(
+        raise CallMismatch(
             f"{call} on rank {group.rank}: the ranks are in different zfunc calls ({calls}). Every rank must make "
             "the same zfunc calls in the same order (every rank steps, every rank calls step.gather, zf.io.save "
-            "and zf.io.restore).")
+            "and zf.io.restore).", names)
 
 
 def agree(value, group: Group, what: str) -> None:

@@ -35,10 +35,15 @@ def exchange(op: str, phase: str, obj: Any, group: dist.Group, extra_s: float = 
     """
     if extra_s:
         group = dataclasses.replace(group, timeout=group.timeout + extra_s)
-    dist.announce(group, f"zf.io.{op}")
-    got = dist.all_gather_json([op, phase, obj], group,
-                               f"zf.io.{op} ({phase}): every rank of the process group must call zf.io.{op}, "
-                               "not only rank 0")
+    waiting = f"zf.io.{op} ({phase}): every rank of the process group must call zf.io.{op}, not only rank 0"
+    try:  # (first a fixed-size exchange, so a rank in another call meets this one: `zfunc.dist.announce`)
+        dist.announce(group, f"zf.io.{op} ({phase})", waiting)
+    except dist.CallMismatch as err:
+        elsewhere = [f"rank {r} is in {call.removeprefix('zf.io.')}" for r, call in enumerate(err.calls)
+                     if call != f"zf.io.{op} ({phase})"]
+        raise CheckpointError(f"zf.io.{op} ({phase}) on rank {group.rank}: {'; '.join(elsewhere[:4])}: every rank "
+                              f"must call zf.io.{op} at the same point of the program") from None
+    got = dist.all_gather_json([op, phase, obj], group, waiting)
     elsewhere = [f"rank {r} is in {v[0]} ({v[1]})" for r, v in enumerate(got)
                  if not isinstance(v, list) or len(v) != 3 or v[:2] != [op, phase]]
     if elsewhere:
