@@ -132,6 +132,8 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))
     del params
     apply_fn.release_module_params()
+    if compiled:
+        torch._dynamo.reset()  # each compiled contender compiles from scratch, as it would alone
     run = torch.compile(step, fullgraph=True) if compiled else step
 
     def one(i):

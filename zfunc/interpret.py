@@ -344,7 +344,8 @@ class Transform:
         try:
             out = self._run(ctx, state, batch)
             if not (isinstance(out, tuple) and out and out[0] is state):
-                consume(state, f"{self!r}")
+                # (The name, not repr: a setting dynamo made symbolic cannot be formatted while tracing.)
+                consume(state, f"{self.name}(...)")
             return out
         finally:
             _TRACED.context = outer
@@ -352,7 +353,7 @@ class Transform:
     def _run(self, ctx: StepContext, state, batch):
         check_alive(state, f"{self.name}(...)")
         if self is ctx.stack.transforms[0]:
-            check_laid_out_by(state, {t.name for t in ctx.stack.transforms}, repr(self))
+            check_laid_out_by(state, {t.name for t in ctx.stack.transforms}, self)
         ctx.scratch[id(self)] = self.start(ctx, state)
         return self.run(state, batch)
 
@@ -488,8 +489,9 @@ def consume(state, by: str) -> None:
         donation.dead = by
 
 
-def check_laid_out_by(state, names: set[str], what: str) -> None:
-    """Refuse a state laid out by transforms that ``what`` does not have.
+def check_laid_out_by(state, names: set[str], what) -> None:
+    """Refuse a state laid out by transforms that ``what`` (a step; formatted only for the error, never
+    while torch.compile traces) does not have.
 
     A transform keeps its own state in ``state.extras[its name]`` (the fp32
     master, the shard layout); a step without that transform would silently

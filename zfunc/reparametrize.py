@@ -63,9 +63,15 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
 def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Slots | None:
     """The slot of each name, or None where the fast route would differ from torch's."""
     names = set(tensors)
-    aliases: dict[int, list[str]] = {}
+    # Names that share one tensor, grouped by identity (`is`, not id(): torch.compile traces this on its
+    # first call, where a tensor swapped in by an outer call has no id to take).
+    groups: list[tuple[torch.Tensor, list[str]]] = []
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        aliases.setdefault(id(t), []).append(name)
+        group = next((g for g in groups if g[0] is t), None)
+        if group is None:
+            groups.append((t, [name]))
+        else:
+            group[1].append(name)
     slots: Slots = []
     for name in tensors:
         prefix, _, attr = name.rpartition(".")
@@ -79,7 +85,8 @@ def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Slots | 
             where = owner._buffers
         else:
             return None  # a plain attribute or a missing name: torch's route handles those
-        if not set(aliases.get(id(where[attr]), [name])) <= names:
+        twins = next((group for t, group in groups if t is where[attr]), [name])
+        if not set(twins) <= names:
             return None  # a tied twin not given: torch's route re-ties it
         slots.append((where, attr))
     return slots
