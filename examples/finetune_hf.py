@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where the fine-tuned model is written (default: "
                    "<model-dir>-finetuned)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=80, help="optimizer updates (default: %(default)s)")
+    g.add_argument("--steps", type=int, default=300, help="optimizer updates (default: %(default)s)")
     g.add_argument("--batch-size", type=int, default=8, help="global batch in sequences (default: %(default)s)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default: %(default)s)")
     g.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default: %(default)s)")

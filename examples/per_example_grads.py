@@ -132,7 +132,7 @@ def windows(ids: torch.Tensor, context: int, batch: int, seed: int):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="updates (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=1000, help="updates (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=64, help="examples per update (default: %(default)s)")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: %(default)s)")
     p.add_argument("--clip", type=float, default=1.0, help="per-example gradient norm bound (default: %(default)s)")

@@ -302,6 +302,35 @@ def test_pickled_weights_are_refused_unread(tmp_path):
         load_plain(tmp_path / "..")
 
 
+def test_index_names_only_files_inside_and_all_must_exist(saved, tmp_path):
+    import shutil
+    shard_dir = tmp_path / "sharded"
+    shutil.copytree(saved["gpt2-sharded"], shard_dir)
+    index_path = shard_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    for bad, message in [("../model.safetensors", "only .safetensors files inside its directory"),
+                         ("/etc/passwd", "only .safetensors files inside its directory"),
+                         ("model-99999-of-99999.safetensors", r"not in .* \(an incomplete download\?\)")]:
+        index_path.write_text(json.dumps({**index, "weight_map": {**index["weight_map"], first: bad}}))
+        with pytest.raises(CheckpointError, match=message):
+            load_plain(shard_dir)
+
+
+def test_hub_cache_links_are_followed(saved, tmp_path):
+    """The hub cache links snapshots/<rev>/model.safetensors to a blob: a Hugging Face directory may be links."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for f in saved["gpt2"].iterdir():
+        (blobs / f"sha-{f.name}").write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(blobs / f"sha-{f.name}")
+    state, _ = load_plain(snapshot)
+    want = hf_weights(saved["gpt2"])
+    for k, v in state.params.items():
+        assert torch.equal(v, want[k]), k
+
+
 def test_meta_state_needs_step_and_initialized_state_refuses_it(saved):
     _, params = zf.functional(meta_model("gpt2"), init="hf")
     state = zf.TrainState.create(params, zf.optim.sgd(0.1))

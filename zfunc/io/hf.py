@@ -329,7 +329,7 @@ def _load_ranges(ckpt: HFCheckpoint, ops: list, bar) -> int:
     """Each op's range read into its destination, one thread per file (in file order); returns bytes read."""
     by_file: dict[Any, list] = {}
     for op in ops:
-        by_file.setdefault(ckpt._file_of[op[0]], []).append(op)
+        by_file.setdefault(ckpt.file_of(op[0]), []).append(op)
 
     def read(f) -> int:
         n = 0

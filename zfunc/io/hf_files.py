@@ -85,12 +85,9 @@ class HFCheckpoint:
                 raise CheckpointError(f"{f.path}: holds {extra[:3]}, which {INDEX} does not list in this file: the "
                                       "index and the files disagree (an interrupted save or a mix of two models?)")
 
-    @property
-    def nbytes(self) -> int:
-        return sum(e.numel * e.dtype.itemsize for e in self.entries.values())
-
-    def describe(self) -> str:
-        return str(self.path)
+    def file_of(self, name: str) -> TensorFile:
+        """The file that holds tensor ``name``."""
+        return self._file_of[name]
 
     def fingerprint(self) -> list:
         """What identifies the checkpoint across ranks: its file names, sizes and tensor count."""
