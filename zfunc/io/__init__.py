@@ -133,6 +133,13 @@ pickled) and names the call and phase it belongs to. A rank that never calls
 default; phases that move data add time for 16 MiB/s), saying that every
 rank must call it; ranks in different calls all raise `CheckpointError`.
 
+Hugging Face weights: **load_pretrained(dir, like, *, step=None, model=None, rename=None, ...)
+-> (state, LoadReport)** streams a ``save_pretrained`` directory (safetensors, single or sharded)
+into a training state, each rank reading only what its shards hold, or into a meta-built model
+unit by unit while ``step.init`` builds its state; **export_hf(out_dir, source, *, model=None,
+...)** writes a state, a zfunc checkpoint or full weights back as a directory
+``from_pretrained`` loads, one parameter at a time. See `zfunc.io.hf`.
+
 Nothing is unpickled: the rank files are plain safetensors (read here with
 ``readinto`` straight into the target tensors; ``safetensors.safe_open`` reads
 them too) and the manifest is JSON. Every problem — a truncated or corrupted
@@ -143,9 +150,10 @@ directory that is not a checkpoint — raises `CheckpointError` (a
 
 from zfunc.io.export import consolidate
 from zfunc.io.format import FORMAT_VERSION, CheckpointError
+from zfunc.io.hf import LoadReport, export_hf, load_pretrained
 from zfunc.io.manifest import read_manifest
 from zfunc.io.reader import list_checkpoints, locate, restore
 from zfunc.io.writer import save
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "consolidate", "list_checkpoints", "locate", "read_manifest",
-           "restore", "save"]
+__all__ = ["FORMAT_VERSION", "CheckpointError", "LoadReport", "consolidate", "export_hf", "list_checkpoints",
+           "load_pretrained", "locate", "read_manifest", "restore", "save"]
