@@ -51,6 +51,7 @@ volumes.
 from __future__ import annotations
 
 import logging
+import numbers
 import warnings
 from typing import Any, Callable, Literal, Sequence
 
@@ -126,8 +127,11 @@ class shard(Transform):  # noqa: N801
     def __init__(self, step: Callable, stage: Literal[1, 2, 3] = 3, group: Any = None,
                  units: Sequence[str] | None = None, reshard: Literal["release", "recompute"] = "release",
                  timeout: float | None = None, verify: bool = True) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(f"shard: stage must be 1, 2 or 3, got {stage!r}")
+        # An integer, not merely equal to one: 3.0 == 3, but it would show as 'stage=3.0' in the repr ranks
+        # compare, and True == 1 is no stage at all.
+        if not isinstance(stage, numbers.Integral) or isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"shard: stage must be 1, 2 or 3 (an int), got {stage!r}")
+        stage = int(stage)
         if reshard not in ("release", "recompute"):
             raise ValueError(f"shard: reshard must be 'release' or 'recompute', got {reshard!r}")
         if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
