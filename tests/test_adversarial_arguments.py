@@ -361,11 +361,7 @@ def test_an_unknown_keyword_argument_to_apply_fn_reaches_the_model(stack):
     clear_error(lambda: stepped(state, make_batch()), "unexpected keyword argument", "bogus", exc=TypeError)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="apply_fn ignores params keys that name no trainable parameter: "
-                   "zfunc/functional.py FunctionalModel._check_full should also refuse "
-                   "`params.keys() - self.structure.keys` (naming them: a typo, a frozen parameter or a buffer, "
-                   "which apply_fn reads from the module, not from params)")
+@outcome("clear")
 @pytest.mark.parametrize("extra", ["typo", "frozen-parameter", "buffer"])
 def test_apply_fn_refuses_params_it_would_ignore(extra):
     model, params, _ = tiny_lm_step()

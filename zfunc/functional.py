@@ -376,6 +376,9 @@ class FunctionalModel:
         if missing:
             raise ValueError(f"params lack {len(missing)} trainable tensors of {type(self.model).__name__}: "
                              f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
+        extra = params.keys() - self.structure.keys
+        if extra:
+            self._refuse_extra(sorted(extra, key=str))
         for key, (shape, _) in self.param_spec.items():
             t = params.get(key)
             if isinstance(t, torch.Tensor) and t.shape != shape:
@@ -383,6 +386,30 @@ class FunctionalModel:
                         "parameters, full = step.gather(state), then apply_fn(full, ...).") if t.dim() == 1 else ""
                 raise ValueError(f"apply_fn: params[{key!r}] has shape {tuple(t.shape)}, the model's parameter has "
                                  f"{tuple(shape)}.{hint}")
+
+    def _refuse_extra(self, extra: list) -> None:
+        """Refuse keys that name no trainable parameter: apply_fn would ignore their tensors (the module's
+        own frozen parameters and buffers are what it reads), so the caller's values would silently not
+        be used."""
+        model = self.model
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        buffers = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+
+        def what(key) -> str:
+            if key in self.aliases:
+                return f"a tied name of {self.aliases[key]!r}, which is the key params holds it under"
+            if key in frozen:
+                return "a frozen parameter (requires_grad=False), read from the module itself"
+            if key in buffers:
+                return "a buffer, read from the module itself"
+            return "no parameter of the model by that name (a typo?)"
+
+        listed = "; ".join(f"{k!r}: {what(k)}" for k in extra[:8])
+        raise ValueError(
+            f"apply_fn: params hold {len(extra)} key(s) that are not a trainable parameter of "
+            f"{type(model).__name__}, so their values would be ignored: {listed}. Pass exactly the keys of the "
+            "params dict from zf.functional; to change a frozen parameter or a buffer, set it on the module "
+            "(or make it trainable before calling zf.functional).")
 
     def release_module_params(self) -> None:
         """Free the template module's own trainable tensors (keep frozen ones and buffers).
