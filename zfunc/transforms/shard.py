@@ -50,9 +50,13 @@ volumes.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import numbers
+import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -465,14 +469,64 @@ def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dis
         return
     dist.announce(group, "step.init of shard")
     described = {
-        "the step": repr(transform),
+        "the step": without_addresses(repr(transform)),
         "the parameter names, in order": list(state.params),
         "the parameter shapes and dtypes": {k: [list(v.shape), str(v.dtype)] for k, v in state.params.items()},
         "the units": [[u.name, list(u.keys)] for u in layout.units],
         "the optimizer state's structure": str(_structure_of(state.opt_state)),
+        "the optimizer's hyperparameters": describe_hyperparams(getattr(state.tx, "hyperparams", None)),
     }
     for what, value in described.items():
         dist.agree(value, group, what)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """``text`` without the memory addresses of reprs (``<function f at 0x7f..>``): the same code sits at
+    other addresses on each rank's process, so ranks compare what the objects are, not where."""
+    return _ADDRESS.sub("", text)
+
+
+def describe_hyperparams(value: Any, depth: int = 0) -> Any:
+    """A JSON description of an optimizer's hyperparameters that ranks can compare (`dist.agree`):
+    numbers as numbers, nested transformations by their own hyperparameters, functions (schedules,
+    masks) by qualified name and the numbers they close over (a schedule's peak rate lives there)."""
+    if depth > 8:
+        return "..."
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)  # (JSON has no NaN or infinity)
+    if isinstance(value, torch.Tensor):
+        return describe_hyperparams(value.tolist(), depth + 1) if value.numel() <= 64 else \
+            [list(value.shape), str(value.dtype)]
+    if isinstance(value, Mapping):
+        return {str(k): describe_hyperparams(v, depth + 1) for k, v in value.items()}
+    hyperparams = getattr(value, "hyperparams", None)
+    if isinstance(hyperparams, Mapping):  # a nested GradientTransformation
+        return describe_hyperparams(hyperparams, depth + 1)
+    if isinstance(value, (list, tuple)):
+        return [describe_hyperparams(v, depth + 1) for v in value]
+    if isinstance(value, functools.partial):
+        return {"partial": describe_hyperparams(value.func, depth + 1),
+                "args": describe_hyperparams(value.args, depth + 1),
+                "keywords": describe_hyperparams(value.keywords, depth + 1)}
+    if callable(value) and hasattr(value, "__qualname__"):
+        cells = [c.cell_contents for c in getattr(value, "__closure__", None) or () if _filled(c)]
+        closed = [describe_hyperparams(c, depth + 1) for c in cells
+                  if isinstance(c, (bool, int, float, str, torch.Tensor)) or callable(c)]
+        return {"function": f"{getattr(value, '__module__', '?')}.{value.__qualname__}", "closes over": closed}
+    return without_addresses(repr(value))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 def _structure_of(tree) -> list:
