@@ -140,14 +140,7 @@ def test_the_advised_restore_switches_a_checkpoint_to_another_policy(tmp_path):
     state, _ = stepped(state, BATCH)  # trains under fp16 from the bf16 run's master weights
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="zfunc.io.restore casts every tensor into the template's dtype without a word "
-                   "(RankFiles.read_into: 'another dtype: read, then cast'), so an fp32 checkpoint restored into an "
-                   "fp16 template loses 13 mantissa bits silently. Fix in zfunc/io/reader.py _Reader._plan: compare "
-                   "the manifest's dtype (m['groups'][path][key], m['leaves'][path]['dtype']) with the template's; "
-                   "refuse a narrowing cast unless restore(..., cast=True) asks for it, except for the compute copy "
-                   "of a template that has a master (params under mixed_precision), which is a cast of the master "
-                   "by definition")
+@outcome("clear")
 def test_an_fp32_checkpoint_restored_into_an_fp16_template_needs_an_explicit_cast(tmp_path):
     _saved("plain", tmp_path / "ck")
     _, like = _state_of("plain", half=True)
