@@ -77,13 +77,7 @@ def test_a_state_run_by_a_stack_that_did_not_make_it_is_refused(made, run):
     clear_error(lambda: stepped(state, BATCH), *REFUSED[(made, run)], exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="a plain step runs apply_fn on the state's bf16 compute copy before "
-                   "apply_gradients (where check_laid_out_by would refuse it): torch fails first with 'mixed dtype "
-                   "(CPU): expect parameter to have scalar type of Float', naming nothing. Fix: "
-                   "zfunc/functional.py FunctionalModel._check_full (outside a transformed step) should also "
-                   "compare each param's dtype with the model's and say 'params[k] is bfloat16, the model's "
-                   "parameter float32: this looks like a mixed_precision state; run it with the step that made it'")
+@outcome("clear")
 @pytest.mark.parametrize("made", ["bf16", "offload-bf16"])
 def test_a_mixed_precision_state_run_by_a_plain_step_is_refused(made):
     _, state = _state_of(made)
