@@ -60,10 +60,13 @@ from collections.abc import Mapping
 from typing import Any, Callable, Literal, Sequence
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from zfunc import dist
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.params_check import check_layout_shapes
+from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
@@ -370,7 +373,21 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         call.sharded_applies += 1
         units = call.units
+        if units.mode == "autograd" and _under_torch_func():
+            # Only zf.value_and_grad (whose handler above switches the units to torch.func's collectives)
+            # knows a torch.func transform differentiates the shards; an outer torch.func.grad would meet
+            # eager gathers and fail deep inside torch ('Cannot access storage of TensorWrapper').
+            raise RuntimeError(
+                f"{self!r}: the model ran under a torch.func transform (torch.func.grad, vjp, vmap, ...) that was "
+                "not taken through zfunc, so shard cannot gather the parameter shards in a form it can "
+                "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
+                "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
+        if not tracing():
+            # The model sees the blocks' parameters only as 1-D shards here: their full shapes are the layout's.
+            check_layout_shapes(model_call.model, model_call.structure.spec,
+                                ((k, shape) for u in layout.units for k, shape in zip(u.keys, u.shapes)),
+                                f" under {self!r}")
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
@@ -388,6 +405,9 @@ class shard(Transform):  # noqa: N801
 
             model_call.wrap_block(block, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
+                refuse_running_statistics(model_call.structure.submodules_of_type(block, _NormBase), repr(self),
+                                          "use reshard='release'" if recomputed else
+                                          "differentiate with zf.value_and_grad rather than under torch.func")
                 model_call.require_recompute(block)
         model_call.params = new_params
         model_call.partial_keys = frozenset(k for u in layout.units if u.name != ROOT for k in u.keys)
@@ -424,6 +444,14 @@ class shard(Transform):  # noqa: N801
                 comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
+
+
+def _under_torch_func() -> bool:
+    """Inside a torch.func transform (not a torch.compile trace, which zfunc's own passes handle)."""
+    if torch.compiler.is_compiling():
+        return False
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present since 2.0
+    return peek is not None and peek() is not None
 
 
 def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
