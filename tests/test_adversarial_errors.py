@@ -358,13 +358,7 @@ def test_batchnorm_in_training_mode_under_stage_3_recompute_is_refused():
                 "running statistics", exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="under mixed_precision('bf16') a BatchNorm's running statistics stay fp32 "
-                   "(cast_buffers=False, the default) while its weight and input are bf16; on the CPU torch's "
-                   "batch_norm then fails with 'expected scalar type BFloat16 but found Float'. Fix in "
-                   "zfunc/transforms/mixed_precision.py apply: catch that error when the model has a norm with "
-                   "running statistics and say 'pass cast_buffers=True (running statistics then kept in the "
-                   "compute dtype and written back)'")
+@outcome("clear")
 def test_batchnorm_under_mixed_precision_says_what_to_pass():
     clear_error(lambda: _norm_run(lambda s: mixed_precision(s, "bf16")), "cast_buffers=True", exc=RuntimeError)
 
