@@ -391,8 +391,16 @@ class shard(Transform):  # noqa: N801
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
+        root_written = None  # a version counter to check after the forward (see below)
         if root is not None:
-            new_params.update(units.views(root, params, params, full_flats, recomputed=False))
+            root_views = units.views(root, params, params, full_flats, recomputed=False)
+            new_params.update(root_views)
+            if self.stage == 3 and not torch.is_grad_enabled() and root_views and not tracing():
+                # Without gradients the root unit is a plain gathered copy: a write into it (an evaluation
+                # forward through nn.Embedding(max_norm=...)) would never reach the shards. (With gradients
+                # autograd refuses the write; blocks are checked as they run, `shard_units._run_checked`.)
+                first = root_views[root.keys[0]]  # (views of one buffer share its version counter)
+                root_written = (first, first._version)
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
         for block, unit in _wrapped_blocks(model_call, layout).items():
@@ -414,6 +422,15 @@ class shard(Transform):  # noqa: N801
         model_call.resolve_outside = outside
         out = next(model_call)
         units.finish_call(params, full_flats)
+        if root_written is not None and root_written[0]._version != root_written[1]:
+            keys = list(root.keys)
+            raise RuntimeError(
+                f"{self!r}: the forward (run without gradients) wrote in place into a parameter of the root unit "
+                f"({', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}), e.g. nn.Embedding(max_norm=...) "
+                "renormalizing the rows it looks up; under stage 3 the model runs on a gathered copy, so the "
+                "write would never reach the shards. Make the forward pure (renormalize functionally: "
+                "F.embedding(..., max_norm=None), then scale the looked-up rows), or change weights outside "
+                "the model call (e.g. after apply_gradients).")
         return out
 
     def apply_gradients(self, next, state, grads, request):
