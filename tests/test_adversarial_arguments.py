@@ -232,10 +232,7 @@ def test_shard_with_no_units_keeps_everything_in_the_root_and_says_so():
     assert_same(stepped.gather(state), ref.params)
 
 
-@outcome("right")
-@pytest.mark.xfail(strict=True, reason="shard accepts stage=3.0 (`3.0 in (1, 2, 3)`) and runs it as stage 3; the "
-                   "check in zfunc/transforms/shard.py should be `isinstance(stage, int) and not isinstance(stage, "
-                   "bool) and stage in (1, 2, 3)` (a float also shows as 'stage=3.0' in the repr that ranks compare)")
+@outcome("clear")
 def test_shard_stage_as_a_float_is_refused():
     clear_error(lambda: shard(_step, stage=3.0), "stage", "1, 2 or 3", exc=ValueError)
 
@@ -364,11 +361,7 @@ def test_an_unknown_keyword_argument_to_apply_fn_reaches_the_model(stack):
     clear_error(lambda: stepped(state, make_batch()), "unexpected keyword argument", "bogus", exc=TypeError)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="apply_fn ignores params keys that name no trainable parameter: "
-                   "zfunc/functional.py FunctionalModel._check_full should also refuse "
-                   "`params.keys() - self.structure.keys` (naming them: a typo, a frozen parameter or a buffer, "
-                   "which apply_fn reads from the module, not from params)")
+@outcome("clear")
 @pytest.mark.parametrize("extra", ["typo", "frozen-parameter", "buffer"])
 def test_apply_fn_refuses_params_it_would_ignore(extra):
     model, params, _ = tiny_lm_step()

@@ -77,13 +77,7 @@ def test_rotary_inv_freq_stays_fp32_and_matches_autocast(stack):
     assert torch.equal(cos, reference.to(torch.bfloat16))
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="a Hugging Face model returns a ModelOutput (an OrderedDict subclass) that "
-                   "zfunc.tree's optree registry treats as one opaque leaf, so mixed_precision's output cast never "
-                   "reaches its logits: they stay bf16 although the policy's output dtype is fp32 (a loss the user "
-                   "computes from them is then a bf16 loss). Fix in zfunc/tree.py: flatten types registered with "
-                   "torch.utils._pytree (transformers registers every ModelOutput there) as nodes, or cast "
-                   "apply's outputs in zfunc/transforms/mixed_precision.py with torch's tree_map")
+@outcome("right")
 def test_a_hugging_face_output_gets_the_policys_output_dtype():
     _, logits, _, _, _ = _rotary_under("mixed_precision", cast_buffers=False)
     assert logits.dtype == torch.float32

@@ -85,12 +85,7 @@ def test_a_deep_copy_taken_before_the_step_is_a_live_snapshot(stack):
     assert_same(stepped.gather(again), stepped.gather(new))
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="the donation error (zfunc/interpret.py check_alive) advises "
-                   "`zf.tree.tree_map(torch.clone, state)`, which breaks shard stages 1/2's flat layout (each "
-                   "param becomes its own tensor, and stepping the copy fails with 'state.params are not in "
-                   "shard's flat layout'); it should advise `copy.deepcopy(state)`, which keeps shared buffers "
-                   "(test_a_deep_copy_taken_before_the_step_is_a_live_snapshot)")
+@outcome("clear")
 @pytest.mark.parametrize("stack", ["shard1", "shard2"])
 def test_the_copy_the_donation_error_advises_can_be_stepped(stack):
     stepped, state = _made(stack)
@@ -101,7 +96,7 @@ def test_the_copy_the_donation_error_advises_can_be_stepped(stack):
 @outcome("clear")
 @pytest.mark.parametrize("stack", ["shard1", "shard2"])
 def test_a_copy_that_loses_the_flat_layout_is_refused(stack):
-    """What the donation error advises today, on stages 1/2: the copy is refused when stepped, clearly."""
+    """A per-tensor clone (what the donation error once advised), on stages 1/2: refused when stepped, clearly."""
     stepped, state = _made(stack)
     clear_error(lambda: stepped(zf.tree.tree_map(torch.clone, state), BATCH), "not in shard's flat layout",
                 "use the state that step.init or the step returned", exc=RuntimeError)

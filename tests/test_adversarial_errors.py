@@ -223,15 +223,6 @@ def _state(stack: str, hidden: int = 23, dtype=None, drop: str | None = None):
     return stepped, zf.init(stepped, zf.TrainState.create(params, zf.optim.adamw(1e-2)))
 
 
-SHAPE_CHECKED = "apply_fn checks shapes outside a transformed step only (FunctionalModel.__call__: `if current() " \
-                "is None: self._check_full(params)`); inside one, a consistent state of another model " \
-                "configuration runs: F.linear takes a (22, 10) weight in a Linear(10, 23), so the model trains " \
-                "at the state's width, not its own, without a word. Fix in zfunc/functional.py run_model_call " \
-                "(the plain apply, which every stack reaches): compare each full (non-partial) params[k]'s shape " \
-                "(and dtype against Facts.compute_dtype or the model's) with the shapes recorded when functional() " \
-                "was called, naming the key and the stack; under shard, compare the layout's shapes at start"
-
-
 @outcome("clear")
 def test_a_state_of_another_model_is_refused_by_the_plain_step():
     stepped, state = _state("plain", hidden=22)
@@ -239,18 +230,14 @@ def test_a_state_of_another_model_is_refused_by_the_plain_step():
                 exc=ValueError)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason=SHAPE_CHECKED)
+@outcome("clear")
 @pytest.mark.parametrize("stack", [s for s in STACKS if s != "plain"])
 def test_a_state_of_another_model_is_refused_under_every_stack(stack):
     stepped, state = _state(stack, hidden=22)
     clear_error(lambda: stepped(state, make_batch()), "blocks.0.up.weight", "22", "23", exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="fp16 params in a state for an fp32 model end in torch's 'mixed dtype (CPU): "
-                   "expect parameter to have scalar type of Float' from a LayerNorm, naming neither the key nor the "
-                   "stack. " + SHAPE_CHECKED)
+@outcome("clear")
 @pytest.mark.parametrize("stack", ["plain", "shard3", "checkpoint"])
 def test_a_state_in_another_dtype_is_refused_naming_the_key(stack):
     stepped, state = _state(stack, dtype=torch.float16)
@@ -286,10 +273,7 @@ def test_a_state_lacking_a_key_is_refused_naming_it(stack):
     clear_error(lambda: stepped(state, make_batch()), KEY, "lack", exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="a state lacking a trainable key ends in a bare KeyError('blocks.1.up.weight') "
-                   "under shard stages 2/3 (a block's params are looked up in shard.apply / _BlockOverride.forward) "
-                   "and under checkpoint. " + SHAPE_CHECKED)
+@outcome("clear")
 @pytest.mark.parametrize("stack", ["shard2", "shard3", "checkpoint"])
 def test_a_state_lacking_a_key_is_refused_naming_it_under_block_transforms(stack):
     stepped, state = _state(stack, drop=KEY)
@@ -368,24 +352,13 @@ def test_batchnorm_in_training_mode_without_recompute_is_exact(stack):
     assert_same(got, want, rtol=1e-6, atol=1e-7)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="shard(stage=3, reshard='recompute') reruns every block in backward, so a "
-                   "BatchNorm in training mode updates its running statistics twice (num_batches_tracked 2 after "
-                   "one step) without a word; checkpoint refuses exactly this (_refuse_running_statistics). Fix in "
-                   "zfunc/transforms/shard.py apply: call checkpoint's _refuse_running_statistics for every block "
-                   "it makes recompute (reshard='recompute', and the functional mode's forced recompute)")
+@outcome("clear")
 def test_batchnorm_in_training_mode_under_stage_3_recompute_is_refused():
     clear_error(lambda: _norm_run(lambda s: shard(s, stage=3, reshard="recompute")), "training mode",
                 "running statistics", exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="under mixed_precision('bf16') a BatchNorm's running statistics stay fp32 "
-                   "(cast_buffers=False, the default) while its weight and input are bf16; on the CPU torch's "
-                   "batch_norm then fails with 'expected scalar type BFloat16 but found Float'. Fix in "
-                   "zfunc/transforms/mixed_precision.py apply: catch that error when the model has a norm with "
-                   "running statistics and say 'pass cast_buffers=True (running statistics then kept in the "
-                   "compute dtype and written back)'")
+@outcome("clear")
 def test_batchnorm_under_mixed_precision_says_what_to_pass():
     clear_error(lambda: _norm_run(lambda s: mixed_precision(s, "bf16")), "cast_buffers=True", exc=RuntimeError)
 

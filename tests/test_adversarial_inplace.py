@@ -179,11 +179,7 @@ class Evaluated(nn.Module):
         return self.model(tokens)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="under shard(stage=3) a forward run without gradients (an evaluation inside "
-                   "the step) renormalizes the gathered root unit, never the shards: the write is lost without a "
-                   "word. zfunc/transforms/shard_units.py Units.views should check, for the root unit too, that the "
-                   "gathered buffer's version did not move (as _run_checked does for blocks), when apply returns")
+@outcome("clear")
 def test_a_write_during_an_evaluation_forward_under_stage_3_is_refused():
     torch.manual_seed(0)
     model = Model("root-max_norm")

@@ -77,13 +77,7 @@ def test_a_state_run_by_a_stack_that_did_not_make_it_is_refused(made, run):
     clear_error(lambda: stepped(state, BATCH), *REFUSED[(made, run)], exc=ValueError)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="a plain step runs apply_fn on the state's bf16 compute copy before "
-                   "apply_gradients (where check_laid_out_by would refuse it): torch fails first with 'mixed dtype "
-                   "(CPU): expect parameter to have scalar type of Float', naming nothing. Fix: "
-                   "zfunc/functional.py FunctionalModel._check_full (outside a transformed step) should also "
-                   "compare each param's dtype with the model's and say 'params[k] is bfloat16, the model's "
-                   "parameter float32: this looks like a mixed_precision state; run it with the step that made it'")
+@outcome("clear")
 @pytest.mark.parametrize("made", ["bf16", "offload-bf16"])
 def test_a_mixed_precision_state_run_by_a_plain_step_is_refused(made):
     _, state = _state_of(made)
@@ -140,14 +134,7 @@ def test_the_advised_restore_switches_a_checkpoint_to_another_policy(tmp_path):
     state, _ = stepped(state, BATCH)  # trains under fp16 from the bf16 run's master weights
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="zfunc.io.restore casts every tensor into the template's dtype without a word "
-                   "(RankFiles.read_into: 'another dtype: read, then cast'), so an fp32 checkpoint restored into an "
-                   "fp16 template loses 13 mantissa bits silently. Fix in zfunc/io/reader.py _Reader._plan: compare "
-                   "the manifest's dtype (m['groups'][path][key], m['leaves'][path]['dtype']) with the template's; "
-                   "refuse a narrowing cast unless restore(..., cast=True) asks for it, except for the compute copy "
-                   "of a template that has a master (params under mixed_precision), which is a cast of the master "
-                   "by definition")
+@outcome("clear")
 def test_an_fp32_checkpoint_restored_into_an_fp16_template_needs_an_explicit_cast(tmp_path):
     _saved("plain", tmp_path / "ck")
     _, like = _state_of("plain", half=True)

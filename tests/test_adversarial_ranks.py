@@ -162,14 +162,7 @@ def _other_hyperparameters(kind: str):
     return None
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="shard.init compares the step's repr, the parameters and the optimizer "
-                   "state's *structure*, not the optimizer's hyperparameters: ranks built with another learning "
-                   "rate, weight decay or Adam instead of AdamW each update their own shards with their own rule "
-                   "(and a differing initial learning_rate leaf is even broadcast from rank 0 under a warning about "
-                   "'initial parameters'). Fix in zfunc/transforms/shard.py _agree_on_structure: also agree on a "
-                   "JSON description of state.tx.hyperparams (numbers as numbers, callables and schedules by "
-                   "qualified name)")
+@outcome("clear")
 @pytest.mark.parametrize("kind", ["learning-rate", "weight-decay", "adam-vs-adamw"])
 def test_ranks_with_other_optimizer_hyperparameters_are_refused(kind):
     messages = run_distributed(_other_hyperparameters, 2, kind, timeout=60)
@@ -195,13 +188,7 @@ def _same_code_other_addresses():
     return repr(stepped), None
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="ranks compare the step's repr, which holds memory addresses where a setting "
-                   "is a function (checkpoint(modules=<function <lambda> at 0x7f...>)) or the step has no __name__ "
-                   "(functools.partial): identical code on separate processes is refused as 'ranks disagree on the "
-                   "step', and the message cuts the repr before the address that differs. Fix in "
-                   "zfunc/transforms/shard.py _agree_on_structure: compare re.sub(r' at 0x[0-9a-f]+', '', repr(...)) "
-                   "(and functions by __module__.__qualname__)")
+@outcome("right")
 def test_identical_code_at_other_addresses_is_accepted():
     (first, refused), (second, _) = run_distributed(_same_code_other_addresses, 2, timeout=60)
     assert first != second  # the case itself: the same code, two addresses

@@ -159,12 +159,7 @@ def test_side_outputs_under_torch_func_and_checkpoint_are_refused_or_right(mode)
     assert_same(got, reference)
 
 
-@outcome("obscure")
-@pytest.mark.xfail(strict=True, reason="torch.func.grad over a loss under shard(stage=3) (not zf.value_and_grad) "
-                   "ends in torch's 'Cannot access storage of TensorWrapper': shard's value_and_grad handler never "
-                   "ran, so its units are in autograd mode. zfunc/transforms/shard.py apply should refuse a sharded "
-                   "apply outside a zf.value_and_grad pass (units.uses was never started) with 'differentiate with "
-                   "zf.value_and_grad (or zf.grad) under shard'")
+@outcome("clear")
 def test_torch_func_grad_under_stage_3_is_refused_clearly():
     with pytest.raises((RuntimeError, ValueError), match="zf.value_and_grad"):
         run("list", lambda s: shard(s, stage=3), "torch.func")

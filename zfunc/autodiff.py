@@ -197,7 +197,7 @@ def _refuse_module_parameters(loss: torch.Tensor, limit: int = 200_000) -> None:
                 f"{tuple(variable.shape)}) rather than on the params it was given, so its gradient would be "
                 "dropped and that part of the model would silently not train. The loss function calls the module "
                 "itself somewhere (model(x) or a submodule); call apply_fn(params, x) (from zf.functional) "
-                "instead.")
+                "there, not the module itself.")
         stack.extend(next_node for next_node, _ in node.next_functions)
 
 

@@ -45,6 +45,7 @@ from torch import nn
 from zfunc.compiled import remember, tracing
 from zfunc.interpret import current, dispatch
 from zfunc.materialize import Init, Materializer
+from zfunc.params_check import check_shapes_and_dtypes, refuse_other_keys
 from zfunc.recompute import recompute
 from zfunc.reparametrize import swapped
 from zfunc.tree import describe_mismatch, register_pytree_node
@@ -141,6 +142,8 @@ class ModelStructure:
                     self.aliases[name] = canonical_of.setdefault(id(p), name)
                     self.trainable.append((name, module._parameters, attr, p))
         self.keys = frozenset(self.aliases.values())
+        # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against.
+        self.spec = {name: (p.shape, p.dtype) for name, _, _, p in self.trainable if self.aliases[name] == name}
         self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
         # The module is one object shared by every call: swapping tensors into its slots (and a
         # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
@@ -357,32 +360,20 @@ class FunctionalModel:
         self.model = model
         self.structure = ModelStructure(model)
         self.aliases = self.structure.aliases
-        self.param_spec = {name: (p.shape, p.dtype) for name, p in model.named_parameters()
-                           if p.requires_grad}
+        self.param_spec = self.structure.spec
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         if not isinstance(params, dict):
             raise TypeError(f"apply_fn takes the params dict first (from zf.functional), got {type(params).__name__}")
         self.structure.check_trainable()
-        if current() is None:
-            self._check_full(params)
+        ctx = current()
+        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+        refuse_other_keys(self.model, self.structure.keys, self.aliases, params, where)
+        if ctx is None:  # (inside a step, the plain apply checks what the transforms hand it: `run_model_call`)
+            check_shapes_and_dtypes(self.model, self.param_spec, params)
         _check_devices(params, args, kwargs)
         call = ModelCall(self.model, params, args, kwargs, self.structure)
         return dispatch("apply", run_model_call, call)
-
-    def _check_full(self, params: dict) -> None:
-        """Outside a transformed step the params must be full tensors (not a sharded state's)."""
-        missing = sorted(self.structure.keys - params.keys())
-        if missing:
-            raise ValueError(f"params lack {len(missing)} trainable tensors of {type(self.model).__name__}: "
-                             f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
-        for key, (shape, _) in self.param_spec.items():
-            t = params.get(key)
-            if isinstance(t, torch.Tensor) and t.shape != shape:
-                hint = (" They look like the 1-D shards of a state under shard(stage=3): evaluate on full "
-                        "parameters, full = step.gather(state), then apply_fn(full, ...).") if t.dim() == 1 else ""
-                raise ValueError(f"apply_fn: params[{key!r}] has shape {tuple(t.shape)}, the model's parameter has "
-                                 f"{tuple(shape)}.{hint}")
 
     def release_module_params(self) -> None:
         """Free the template module's own trainable tensors (keep frozen ones and buffers).
@@ -505,6 +496,11 @@ def run_model_call(call: ModelCall) -> Any:
         raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
                          f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
     prefixes = tuple(f"{name}." for name in call.block_wrappers)
+    ctx = current()
+    if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
+        where = f" under {ctx.stack.transforms[0]!r}" if ctx.stack.transforms else ""
+        check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
+                                where)
     outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)

@@ -515,7 +515,8 @@ def check_alive(state, what: str) -> None:
         raise ValueError(
             f"{what} was given a state that {donation.dead} already consumed: a transformed step updates the "
             "state it is given in place (donation, as in JAX), so that state is dead. Use the state the step "
-            "returned; to keep a snapshot, copy it before the step (zf.tree.tree_map(torch.clone, state)) or "
+            "returned; to keep a snapshot, copy it before the step with copy.deepcopy(state) (which keeps the "
+            "buffers the layout shares, e.g. shard's flat per-unit buffers; a per-tensor clone loses them) or "
             "take step.gather(state).")
 
 

@@ -297,6 +297,7 @@ def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.T
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zfunc.autodiff import value_and_grad
+    from zfunc.params_check import other_dtypes
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     device = _batch_device(batch)
@@ -309,7 +310,7 @@ def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.T
     restore = _fake_constants(model, fake, device, dtype) if model is not None else []
     tracker = _LiveBytes()
     try:
-        with fake, tracker:
+        with fake, tracker, other_dtypes():  # (the constants were cast to ``dtype`` too)
             loss_of = _with_recompute(loss_fn, blocks) if recompute and blocks else loss_fn
             value_and_grad(loss_of)(fake_params, fake_batch)
     finally:

@@ -43,6 +43,22 @@ from zfunc.compiled import tracing
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
+def refuse_running_statistics(norms: list[tuple[str, torch.nn.Module]], who: str, remedy: str) -> None:
+    """Refuse a norm with running statistics in training mode inside a block ``who`` recomputes: the
+    recompute in backward would update its statistics a second time, without a word.
+
+    ``norms``: ``(qualified name, module)`` of the block's norm modules; ``remedy``: what else the caller
+    may do, appended to the usual choices.
+    """
+    for where, module in norms:
+        if module.training and module.track_running_stats:
+            raise ValueError(
+                f"{who}: {where} is a {type(module).__name__} in training mode inside a recomputed block; "
+                "the recompute in backward would update its running statistics a second time. Put it in eval "
+                "mode, use track_running_stats=False or a norm without running statistics (LayerNorm, "
+                f"GroupNorm), or {remedy}.")
+
+
 class RNGState:
     """The CPU and current-CUDA-device RNG states, captured to replay dropout."""
 

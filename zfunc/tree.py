@@ -6,6 +6,12 @@ zfunc's own state types (`TrainState`), which are registered both with optree
 torch.func flattens with the latter and would otherwise treat a TrainState as
 one opaque leaf.
 
+The other way round, a type that a library registered with torch's registry
+only (every Hugging Face ``ModelOutput``) is a node here too, flattened by
+torch's functions (`_follow_torch_registry`): otherwise a model's output
+would be one opaque leaf, and e.g. `mixed_precision`'s output cast would
+never reach its logits.
+
 Every function here takes and returns plain pytrees; nothing is mutated.
 """
 
@@ -40,10 +46,68 @@ def register_pytree_node(cls: type, flatten: Callable, unflatten: Callable) -> N
     )
 
 
+class _TorchContext:
+    """The static data of a node flattened by torch's registry, for optree: torch's contexts may be
+    unhashable (a ModelOutput's is the list of its keys), optree's must hash."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TorchContext) and self.value == other.value
+
+    def __hash__(self) -> int:
+        value = self.value
+        return hash(tuple(value) if isinstance(value, list) else value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# How many entries torch's registry had when its foreign types were last copied into optree's: a
+# library registers its types at import time (transformers: each ModelOutput subclass as it is
+# defined), so a changed count is the one cheap sign that there is something new to copy.
+_torch_registry_seen = 0
+
+
+def _follow_torch_registry() -> None:
+    """Register with optree (namespace ``zfunc``) each type registered with torch's pytree registry by
+    another library (not torch's own types: torch.Size or a ``torch.return_types`` tuple stay what optree
+    makes of them, nor zfunc's, registered with both already). Called by every tree function; costs one
+    ``len`` unless the registry grew."""
+    global _torch_registry_seen
+    nodes = torch_pytree.SUPPORTED_NODES
+    if len(nodes) == _torch_registry_seen:
+        return
+    for cls, node in list(nodes.items()):
+        module = getattr(cls, "__module__", "") or ""
+        if module == "builtins" or module == "collections" or module.split(".")[0] in ("torch", "zfunc"):
+            continue
+        if optree.register_pytree_node.get(cls, namespace=NAMESPACE) is not None:
+            continue
+        try:
+            optree.register_pytree_node(
+                cls,
+                lambda obj, flatten=node.flatten_fn: _flatten_by_torch(flatten, obj),
+                lambda context, children, unflatten=node.unflatten_fn: unflatten(list(children), context.value),
+                namespace=NAMESPACE)
+        except ValueError:  # registered meanwhile (another thread), or a type optree handles itself
+            pass
+    _torch_registry_seen = len(nodes)
+
+
+def _flatten_by_torch(flatten: Callable, obj: Any) -> tuple:
+    children, context = flatten(obj)
+    return children, _TorchContext(context)
+
+
 def tree_leaves(tree: PyTree) -> list:
     """Leaves of ``tree`` in a deterministic order (dicts by sorted key)."""
     if tracing():  # (see `zfunc.compiled`)
         return traced_flatten(tree)[0]
+    _follow_torch_registry()
     return optree.tree_leaves(tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
@@ -51,6 +115,7 @@ def tree_flatten(tree: PyTree):
     """``(leaves, treedef)``; ``tree_unflatten(treedef, leaves)`` inverts it."""
     if tracing():
         return traced_flatten(tree)
+    _follow_torch_registry()
     return optree.tree_flatten(tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
@@ -61,6 +126,7 @@ def tree_unflatten(treedef, leaves) -> PyTree:
 
 
 def tree_structure(tree: PyTree):
+    _follow_torch_registry()
     return optree.tree_structure(tree, none_is_leaf=False, namespace=NAMESPACE)
 
 
@@ -68,11 +134,13 @@ def tree_map(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
     """Apply ``fn`` leaf-wise over ``tree`` and trees of the same structure."""
     if tracing():
         return traced_map(fn, tree, *rest)
+    _follow_torch_registry()
     return optree.tree_map(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
 
 
 def tree_map_with_path(fn: Callable, tree: PyTree, *rest: PyTree) -> PyTree:
     """Like `tree_map`, with ``fn(path, leaf, ...)``; ``path`` is a tuple of keys."""
+    _follow_torch_registry()
     return optree.tree_map_with_path(fn, tree, *rest, none_is_leaf=False, namespace=NAMESPACE)
 
 

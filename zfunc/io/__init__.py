@@ -30,7 +30,7 @@ checkpoint is touched (ranks on node-local disks would otherwise each
 "save" and ``keep`` would delete every restorable checkpoint).
 
 **restore(dir, like, step=None, *, strict=True, verify=True, rng=True,
-group=None, progress=False) -> (state, client_state)**: ``like`` is a state
+group=None, progress=False, cast=False) -> (state, client_state)**: ``like`` is a state
 made by the target step's ``.init`` on this rank (it knows its world size,
 stage and placement). The checkpoint's values are written into ``like``'s
 own tensors with ``copy_`` (so `shard`'s per-key views of one flat buffer per
@@ -49,7 +49,9 @@ optimizer or transform stack; ``strict=False`` restores what both hold, and
 then a master copy stands in for params and vice versa), every rank file's
 presence, size, header and origin (the rank and part it was written as),
 this rank's RNG states and client tensors, and (``verify``) each read file's
-SHA-256.
+SHA-256. A tensor the template holds in a narrower dtype than the checkpoint
+(fp32 saved, fp16 template) is refused unless ``cast=True`` (the compute copy
+of a template with a master is a cast of the master and always allowed).
 
 Exact resume: K steps, save, restore in fresh processes, M steps gives
 bitwise the parameters of K+M uninterrupted steps (same world size), when

@@ -47,7 +47,7 @@ from zfunc.tree import describe_mismatch
 
 def restore(directory: str | os.PathLike, like: TrainState, step: int | None = None, *, strict: bool = True,
             verify: bool = True, rng: bool = True, group: Any = None,
-            progress: bool = False) -> tuple[TrainState, dict | None]:
+            progress: bool = False, cast: bool = False) -> tuple[TrainState, dict | None]:
     """Load a checkpoint into ``like``'s tensors (in place); returns ``(state, client_state)``.
 
     ``like`` is the state the target step's ``.init`` made (any world size,
@@ -55,6 +55,12 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     is returned. See `zfunc.io` for the options and the guarantees. Call it
     on every rank of ``group``: a rank that never does makes the others
     raise `zfunc.dist.CollectiveError` after ``$ZFUNC_TIMEOUT_S`` seconds.
+
+    A tensor the template holds in a narrower dtype than the checkpoint (fp32
+    saved, fp16 template) is refused unless ``cast=True``: the cast would round
+    the saved values without a word. (The compute copy of a template with a
+    master, e.g. bf16 params under mixed_precision, is a cast of the master
+    by definition and is always allowed.)
     """
     if not isinstance(like, TrainState):
         raise TypeError(f"restore(like=...) takes a zf.TrainState made by step.init(...), got {type(like).__name__}")
@@ -83,7 +89,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
                               + "); was a save running? pass step= to pick one")
     reader = error = None
     try:
-        reader = _Reader(step_dir, like, layout, g, strict, verify)
+        reader = _Reader(step_dir, like, layout, g, strict, verify, cast)
     except Exception as e:  # noqa: BLE001 (as above)
         error = _describe(e, g)
     try:
@@ -215,7 +221,7 @@ class _Reader:
     """Everything ``restore`` will read, validated (manifest, names, shapes, headers, checksums) before any write."""
 
     def __init__(self, step_dir: Path, like: TrainState, layout: ShardLayout | None, group: dist.Group,
-                 strict: bool, verify: bool) -> None:
+                 strict: bool, verify: bool, cast: bool = False) -> None:
         self.dir, self.like, self.rank = step_dir, like, group.rank
         self.manifest = read_manifest(step_dir)
         if self.manifest["format_version"] == 1:
@@ -225,6 +231,8 @@ class _Reader:
         self.files: dict[int, RankFiles] = {}
         try:
             self._plan(layout, strict)
+            if not cast:
+                self._refuse_narrowing()
             self._open(verify)
         except BaseException:
             self.close()
@@ -266,6 +274,7 @@ class _Reader:
         if missing or unexpected:
             warnings.warn(f"restore from {self.dir}: kept the template's values of {missing or 'nothing'}; ignored "
                           f"{unexpected or 'nothing'}", stacklevel=4)
+        self.source, self.groups, self.leaves = source, groups, leaves
         # ops: (source rank, tensor name, first source element, target flat view, first target element, count)
         self.ops: list[tuple[int, str, int, torch.Tensor, int, int]] = []
         self.sizes: dict[tuple[int, str], int] = {}  # (source rank, tensor name) -> elements it must hold
@@ -288,6 +297,27 @@ class _Reader:
             if path in m["leaves"]:
                 self.ops.append((0, path, 0, self._flat(t), 0, t.numel()))
                 self.sizes[0, path] = t.numel()
+
+    def _refuse_narrowing(self) -> None:
+        """Refuse reading a saved tensor into a template tensor of a narrower dtype (see `restore`)."""
+        m = self.manifest
+        compute_copy = "params" if weights_path(self.groups) != "params" else None  # cast of the template's master
+        narrowed = []
+        for path, group in self.groups.items():
+            if path not in self.source or path == compute_copy:
+                continue
+            saved = m["groups"][self.source[path]]
+            narrowed += [(f"{path}/{k}", saved[k], t.dtype) for k, t in group.items()
+                         if k in saved and _narrows(saved[k], t.dtype)]
+        narrowed += [(path, m["leaves"][path]["dtype"], t.dtype) for path, t in self.leaves.items()
+                     if path in m["leaves"] and _narrows(m["leaves"][path]["dtype"], t.dtype)]
+        if narrowed:
+            listed = "\n".join(f"  {p}: checkpoint {a}, template {dtype_name(b)}" for p, a, b in narrowed[:8])
+            more = f"\n  ... and {len(narrowed) - 8} more" if len(narrowed) > 8 else ""
+            raise self._fail(
+                f"{len(narrowed)} tensor(s) of the checkpoint would be cast to a narrower dtype, rounding the saved "
+                f"values:\n{listed}{more}\nBuild the template in the checkpoint's dtypes (as the run that saved "
+                "it did), or pass restore(..., cast=True) to round them on purpose.")
 
     def _flat(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -351,6 +381,24 @@ class _Reader:
     def close(self) -> None:
         for f in self.files.values():
             f.close()
+
+
+def _narrows(saved: str, template: torch.dtype) -> bool:
+    """Whether casting a tensor of dtype ``saved`` (the manifest's name) into ``template`` may change values:
+    anything but a cast to a dtype that holds every value of the saved one (bf16 -> fp32, int32 -> int64)."""
+    source = getattr(torch, saved, None)
+    if not isinstance(source, torch.dtype) or source == template:
+        return False
+    if source == torch.bool:
+        return False
+    if source.is_floating_point or source.is_complex:
+        return torch.promote_types(source, template) != template or not (template.is_floating_point or
+                                                                         template.is_complex)
+    # an integer: into a wider integer, or a float whose mantissa holds it (int32 -> float64)
+    if template.is_floating_point or template.is_complex:
+        mantissa = {torch.float64: 53, torch.float32: 24, torch.complex128: 53, torch.complex64: 24}.get(template, 11)
+        return torch.iinfo(source).bits > mantissa
+    return torch.promote_types(source, template) != template
 
 
 def check_files(step_dir: Path, manifest: dict) -> None:

@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.functional import select_blocks
 from zfunc.interpret import Facts, Transform
-from zfunc.recompute import recompute
+from zfunc.recompute import recompute, refuse_running_statistics
 from zfunc.tree import tree_leaves
 
 # --------------------------------------------------------------------------
@@ -230,7 +230,8 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
     def apply(self, next, call):
         counts: _Counts = self.call_scratch()
         for name in self.blocks(call.model, call.structure):
-            _refuse_running_statistics(call.structure.submodules_of_type(name, nn.modules.batchnorm._NormBase))
+            refuse_running_statistics(call.structure.submodules_of_type(name, nn.modules.batchnorm._NormBase),
+                                      "checkpoint", "leave this block out of modules=")
             call.wrap_block(name, lambda n, body: self._wrapper(body, counts), kind="around")
         return next(call)
 
@@ -252,16 +253,6 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
         def recomputed_body(block_params, *args, **kwargs):
             return recompute(body, block_params, *args, **kwargs)
         return recomputed_body
-
-
-def _refuse_running_statistics(norms: list[tuple[str, nn.Module]]) -> None:
-    for where, module in norms:
-        if module.training and module.track_running_stats:
-            raise ValueError(
-                f"checkpoint: {where} is a {type(module).__name__} in training mode inside a recomputed block; "
-                "the recompute in backward would update its running statistics a second time. Put it in eval "
-                "mode, use track_running_stats=False or a norm without running statistics (LayerNorm, "
-                "GroupNorm), or leave this block out of modules=.")
 
 
 def _selective(ops: frozenset, counts: _Counts) -> Callable:

@@ -405,13 +405,34 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             constants, buffers = self._constants(call, compute)
         call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
                                    kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
-        out = next(call)
+        try:
+            out = next(call)
+        except RuntimeError as err:
+            self._explain_running_statistics(call, err)
+            raise
         if versions:
             refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
         with call.structure.lock:
             self._write_back_buffers(call, buffers)
         return tree_map_tensors(
             lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
+
+    def _explain_running_statistics(self, call, err: RuntimeError) -> None:
+        """Re-raise torch's dtype error from a norm whose running statistics stayed in their own dtype
+        (``cast_buffers=False``) while its weight and input are in the compute dtype, saying what to pass."""
+        text = str(err)
+        if self.cast_buffers or not ("expected scalar type" in text or "same dtype" in text):
+            return
+        norms = [name for name, m in call.model.named_modules()
+                 if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
+        if not norms:
+            return
+        raise RuntimeError(
+            f"{self!r}: {type(call.model).__name__} has norms with running statistics ({', '.join(norms[:4])}"
+            f"{' ...' if len(norms) > 4 else ''}), which stay in their own dtype by default (cast_buffers=False) "
+            f"while their weight and input are {self.policy.compute_dtype}; torch cannot mix the two. Pass "
+            "cast_buffers=True (running statistics then kept in the compute dtype and written back), or put "
+            f"the norms in eval mode. torch said: {text.splitlines()[0][:200]}") from err
 
     @staticmethod
     def _write_back_buffers(call, buffers) -> None:

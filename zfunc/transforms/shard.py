@@ -50,15 +50,23 @@ volumes.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import numbers
+import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Literal, Sequence
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 
 from zfunc import dist
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.params_check import check_layout_shapes
+from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
@@ -126,8 +134,11 @@ class shard(Transform):  # noqa: N801
     def __init__(self, step: Callable, stage: Literal[1, 2, 3] = 3, group: Any = None,
                  units: Sequence[str] | None = None, reshard: Literal["release", "recompute"] = "release",
                  timeout: float | None = None, verify: bool = True) -> None:
-        if isinstance(stage, bool) or stage not in (1, 2, 3):
-            raise ValueError(f"shard: stage must be 1, 2 or 3, got {stage!r}")
+        # An integer, not merely equal to one: 3.0 == 3, but it would show as 'stage=3.0' in the repr ranks
+        # compare, and True == 1 is no stage at all.
+        if not isinstance(stage, numbers.Integral) or isinstance(stage, bool) or stage not in (1, 2, 3):
+            raise ValueError(f"shard: stage must be 1, 2 or 3 (an int), got {stage!r}")
+        stage = int(stage)
         if reshard not in ("release", "recompute"):
             raise ValueError(f"shard: reshard must be 'release' or 'recompute', got {reshard!r}")
         if units is not None and (isinstance(units, str) or not all(isinstance(u, str) for u in units)):
@@ -279,7 +290,8 @@ class shard(Transform):  # noqa: N801
             flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
             if flat is None:
                 raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced?); "
-                                   "use the state that step.init or the step returned")
+                                   "use the state that step.init or the step returned (to copy one, copy.deepcopy(state) keeps "
+                                   "the flat buffers; a per-tensor clone does not)")
             flats[unit.name] = flat
         return flats
 
@@ -361,12 +373,34 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         call.sharded_applies += 1
         units = call.units
+        if units.mode == "autograd" and _under_torch_func():
+            # Only zf.value_and_grad (whose handler above switches the units to torch.func's collectives)
+            # knows a torch.func transform differentiates the shards; an outer torch.func.grad would meet
+            # eager gathers and fail deep inside torch ('Cannot access storage of TensorWrapper').
+            raise RuntimeError(
+                f"{self!r}: the model ran under a torch.func transform (torch.func.grad, vjp, vmap, ...) that was "
+                "not taken through zfunc, so shard cannot gather the parameter shards in a form it can "
+                "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
+                "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
+        if not tracing():
+            # The model sees the blocks' parameters only as 1-D shards here: their full shapes are the layout's.
+            check_layout_shapes(model_call.model, model_call.structure.spec,
+                                ((k, shape) for u in layout.units for k, shape in zip(u.keys, u.shapes)),
+                                f" under {self!r}")
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
+        root_written = None  # a version counter to check after the forward (see below)
         if root is not None:
-            new_params.update(units.views(root, params, params, full_flats, recomputed=False))
+            root_views = units.views(root, params, params, full_flats, recomputed=False)
+            new_params.update(root_views)
+            if self.stage == 3 and not torch.is_grad_enabled() and root_views and not tracing():
+                # Without gradients the root unit is a plain gathered copy: a write into it (an evaluation
+                # forward through nn.Embedding(max_norm=...)) would never reach the shards. (With gradients
+                # autograd refuses the write; blocks are checked as they run, `shard_units._run_checked`.)
+                first = root_views[root.keys[0]]  # (views of one buffer share its version counter)
+                root_written = (first, first._version)
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
         for block, unit in _wrapped_blocks(model_call, layout).items():
@@ -379,12 +413,24 @@ class shard(Transform):  # noqa: N801
 
             model_call.wrap_block(block, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
+                refuse_running_statistics(model_call.structure.submodules_of_type(block, _NormBase), repr(self),
+                                          "use reshard='release'" if recomputed else
+                                          "differentiate with zf.value_and_grad rather than under torch.func")
                 model_call.require_recompute(block)
         model_call.params = new_params
         model_call.partial_keys = frozenset(k for u in layout.units if u.name != ROOT for k in u.keys)
         model_call.resolve_outside = outside
         out = next(model_call)
         units.finish_call(params, full_flats)
+        if root_written is not None and root_written[0]._version != root_written[1]:
+            keys = list(root.keys)
+            raise RuntimeError(
+                f"{self!r}: the forward (run without gradients) wrote in place into a parameter of the root unit "
+                f"({', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}), e.g. nn.Embedding(max_norm=...) "
+                "renormalizing the rows it looks up; under stage 3 the model runs on a gathered copy, so the "
+                "write would never reach the shards. Make the forward pure (renormalize functionally: "
+                "F.embedding(..., max_norm=None), then scale the looked-up rows), or change weights outside "
+                "the model call (e.g. after apply_gradients).")
         return out
 
     def apply_gradients(self, next, state, grads, request):
@@ -415,6 +461,14 @@ class shard(Transform):  # noqa: N801
                 comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
+
+
+def _under_torch_func() -> bool:
+    """Inside a torch.func transform (not a torch.compile trace, which zfunc's own passes handle)."""
+    if torch.compiler.is_compiling():
+        return False
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present since 2.0
+    return peek is not None and peek() is not None
 
 
 def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
@@ -460,14 +514,64 @@ def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dis
         return
     dist.announce(group, "step.init of shard")
     described = {
-        "the step": repr(transform),
+        "the step": without_addresses(repr(transform)),
         "the parameter names, in order": list(state.params),
         "the parameter shapes and dtypes": {k: [list(v.shape), str(v.dtype)] for k, v in state.params.items()},
         "the units": [[u.name, list(u.keys)] for u in layout.units],
         "the optimizer state's structure": str(_structure_of(state.opt_state)),
+        "the optimizer's hyperparameters": describe_hyperparams(getattr(state.tx, "hyperparams", None)),
     }
     for what, value in described.items():
         dist.agree(value, group, what)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def without_addresses(text: str) -> str:
+    """``text`` without the memory addresses of reprs (``<function f at 0x7f..>``): the same code sits at
+    other addresses on each rank's process, so ranks compare what the objects are, not where."""
+    return _ADDRESS.sub("", text)
+
+
+def describe_hyperparams(value: Any, depth: int = 0) -> Any:
+    """A JSON description of an optimizer's hyperparameters that ranks can compare (`dist.agree`):
+    numbers as numbers, nested transformations by their own hyperparameters, functions (schedules,
+    masks) by qualified name and the numbers they close over (a schedule's peak rate lives there)."""
+    if depth > 8:
+        return "..."
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)  # (JSON has no NaN or infinity)
+    if isinstance(value, torch.Tensor):
+        return describe_hyperparams(value.tolist(), depth + 1) if value.numel() <= 64 else \
+            [list(value.shape), str(value.dtype)]
+    if isinstance(value, Mapping):
+        return {str(k): describe_hyperparams(v, depth + 1) for k, v in value.items()}
+    hyperparams = getattr(value, "hyperparams", None)
+    if isinstance(hyperparams, Mapping):  # a nested GradientTransformation
+        return describe_hyperparams(hyperparams, depth + 1)
+    if isinstance(value, (list, tuple)):
+        return [describe_hyperparams(v, depth + 1) for v in value]
+    if isinstance(value, functools.partial):
+        return {"partial": describe_hyperparams(value.func, depth + 1),
+                "args": describe_hyperparams(value.args, depth + 1),
+                "keywords": describe_hyperparams(value.keywords, depth + 1)}
+    if callable(value) and hasattr(value, "__qualname__"):
+        cells = [c.cell_contents for c in getattr(value, "__closure__", None) or () if _filled(c)]
+        closed = [describe_hyperparams(c, depth + 1) for c in cells
+                  if isinstance(c, (bool, int, float, str, torch.Tensor)) or callable(c)]
+        return {"function": f"{getattr(value, '__module__', '?')}.{value.__qualname__}", "closes over": closed}
+    return without_addresses(repr(value))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return False
+    return True
 
 
 def _structure_of(tree) -> list:
