@@ -139,7 +139,7 @@ def test_eager_steps_do_not_touch_the_trace_slot():
 
 
 @pytest.mark.slow
-def test_inductor_shard_stage_1_world_2(dist, monkeypatch):
+def test_inductor_shard_stage_1_world_2(dist):
     """The real backend: Inductor's generated code, functional collectives over gloo.
 
     Inductor fuses the bf16 stack's pointwise ops and by default keeps their intermediates in fp32, where
@@ -149,7 +149,7 @@ def test_inductor_shard_stage_1_world_2(dist, monkeypatch):
     size, 0.1-1)."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
-    results = dist(eager_and_compiled, 2, STACKS["s1"], "inductor", timeout=1200)
+    with inductor_config.patch(emulate_precision_casts=True):  # (the ranks fork inside: they inherit it)
+        results = dist(eager_and_compiled, 2, STACKS["s1"], "inductor", timeout=1200)
     for result in results:
         check(result, rtol=1e-3, atol=5e-4, metrics_rel=1e-3)
