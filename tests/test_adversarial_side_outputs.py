@@ -140,8 +140,7 @@ FUNCTION_ROUTE = ("the autograd.Function route of zfunc/recompute.py (taken unde
                   "if any is still alive after the block returns without being one of its outputs")
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason=FUNCTION_ROUTE)
+@outcome("right")
 def test_side_outputs_under_checkpoint_offload_inputs():
     assert_same(run("list", lambda s: checkpoint(s, policy="offload_inputs")), run("list", lambda s: s))
 

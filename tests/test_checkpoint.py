@@ -205,7 +205,7 @@ class _MutatesInput(nn.Module):
 
 
 @pytest.mark.parametrize("policy, error", [("recompute", "modified by an inplace operation"),
-                                           ("offload_inputs", "modified in place")])
+                                           ("offload_inputs", "modified by an inplace operation|modified in place")])
 def test_input_modified_in_place_is_caught(policy, error):
     model = _MutatesInput()
     apply_fn, params = zf.functional(model)
@@ -219,14 +219,47 @@ def test_input_modified_in_place_is_caught(policy, error):
         step(zf.TrainState.create(params, zf.optim.sgd(0.1)), torch.randn(2, 4))
 
 
-def test_offload_inputs_saves_through_the_hook(monkeypatch):
+def test_offload_inputs_keeps_block_inputs_on_the_host_and_stays_exact(monkeypatch):
+    """Eagerly, each block's tensor inputs are held in host memory between forward and backward
+    (`zfunc.recompute._OnHost`), through copies autograd differentiates. On this CPU-only machine the
+    inputs are already in host memory and stay as they are, so the holders are forced here: every block
+    input is held once per step, and the result equals the plain step's."""
+    import zfunc.recompute as rc
+
+    held = []
+    real = rc._OnHost
+
+    def forced(tree, pin_memory):
+        flat, spec = rc.tree_flatten(tree)
+        out = [real(x, pin_memory) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
+        held.extend(tuple(x.host.shape) for x in out if isinstance(x, real))
+        return rc.tree_unflatten(spec, out)
+
+    monkeypatch.setattr(rc, "_kept_on_host", forced)
+    out, _, _ = train(lambda s: checkpoint(s, policy=OffloadInputs(pin_memory=False)), steps=2, dropout=0.0)
+    assert held == [(8, 5, 10)] * 3 * 2  # one activation input per block per step
+    ref, _, _ = train(lambda s: s, steps=2, dropout=0.0)
+    assert_same(out, ref)
+
+
+def test_offload_inputs_under_torch_func_saves_through_the_hook(monkeypatch):
+    """Under torch.func the Function route keeps the inputs through `save` (`_host_saver`)."""
     import importlib
     ck = importlib.import_module("zfunc.transforms.checkpoint")  # the module, not the transform of that name
     moved = []
     real = ck._to_host
     monkeypatch.setattr(ck, "_to_host", lambda t, pin: moved.append(tuple(t.shape)) or real(t, pin))
-    out, _, _ = train(lambda s: checkpoint(s, policy=OffloadInputs(pin_memory=False)), steps=1)
-    # one activation input per block per step, copied once although setup_context runs per functorch level
+    model, params, _ = tiny_lm_step(0.0)
+    apply_fn = zf.functional(model)[0]
+    batch = make_batch(batch=8, seed=0)
+
+    def train_step(state, batch):
+        grads = torch.func.grad(lambda p: lm_loss(apply_fn)(p, batch))(state.params)
+        return state.apply_gradients(grads), {}
+
+    step = checkpoint(train_step, policy=OffloadInputs(pin_memory=False))
+    step(zf.TrainState.create(dict(params), zf.optim.sgd(0.1)), batch)
+    # one activation input per block, copied once although setup_context runs per functorch level
     assert moved == [(8, 5, 10)] * 3
 
 

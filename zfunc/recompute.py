@@ -74,14 +74,18 @@ class RNGState:
 
 def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
               save: Callable[[dict, tuple], tuple] | None = None, context_fn: Callable | None = None,
-              **kwargs: Any) -> Any:
+              inputs_to_host: bool | None = None, **kwargs: Any) -> Any:
     """``body(params, *args, **kwargs)`` without saving its activations.
 
     Args:
       body: the function to recompute; ``params`` are the tensors gradients flow to.
-      save: optional; how the inputs are kept for backward:
+      save: optional; how the inputs are kept for backward on the Function route (under torch.func):
         ``save(kept_tensors) -> (stored, load)`` where ``load(stored)`` returns
-        them (e.g. moved to host memory and back). Takes the Function route.
+        them (e.g. moved to host memory and back).
+      inputs_to_host: optional; on the eager route, keep the block's tensor inputs in host memory
+        between forward and backward (True: pinned when they are on a GPU; False: pageable). The
+        copies to the host and back are part of the autograd graph, so gradients stay exact and
+        tensors that leave the block on the side still get theirs.
       context_fn: optional; torch's selective-checkpoint contexts (which op
         outputs to keep rather than recompute), for the eager route.
     Returns:
@@ -92,7 +96,9 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
         # torch.compile: the block runs as it is and its activations stay (see `zfunc.compiled`: a
         # recompute's backward cannot be traced correctly there), so dropout needs no replay.
         return body(params, *args, **kwargs)
-    if save is None and not under_torch_func_or_compile():
+    if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
+        if inputs_to_host is not None:
+            args, kwargs = _kept_on_host((args, kwargs), pin_memory=inputs_to_host)
         return _checkpoint_eagerly(body, params, args, kwargs, context_fn)
     keys = list(params)
     flat, spec = tree_flatten((args, kwargs))
@@ -123,12 +129,37 @@ def _refuse_kv_cache(tree: Any) -> None:
                 "(e.g. apply_fn(params, input_ids=x, use_cache=False)).")
 
 
+class _OnHost:
+    """A block input kept in host memory: `load` brings it back (differentiably) where it was."""
+
+    def __init__(self, t: torch.Tensor, pin_memory: bool) -> None:
+        self.device = t.device
+        pinned = pin_memory and t.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
+        self.host = host.copy_(t, non_blocking=pinned)  # (copy_ records its backward: gradients reach t)
+
+    def load(self) -> torch.Tensor:
+        return self.host.to(self.device, non_blocking=True)
+
+
+def _kept_on_host(tree: Any, pin_memory: bool) -> Any:
+    """``tree`` with its floating-point tensors on an accelerator replaced by `_OnHost` holders, which
+    `_checkpoint_eagerly`'s run loads back: the forward's inputs then live in host memory until the
+    recompute (what checkpoint's ``offload_inputs`` policy is for)."""
+    flat, spec = tree_flatten(tree)
+    out = [_OnHost(x, pin_memory) if isinstance(x, torch.Tensor) and x.is_floating_point()
+           and x.device.type != "cpu" else x for x in flat]
+    return tree_unflatten(spec, out)
+
+
 def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, context_fn) -> Any:
     """The eager route: torch's non-reentrant checkpoint around ``body`` (see the module docstring)."""
     from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
 
     keys = list(params)
-    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    flat, spec = tree_flatten((args, kwargs))
+    inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
+              if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
     runs = [0]
 
@@ -139,6 +170,9 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
         runs[0] += 1
+        if any(isinstance(x, _OnHost) for x in flat):
+            a, kw = tree_unflatten(spec, [x.load() if isinstance(x, _OnHost) else x for x in flat])
+            return body(dict(zip(keys, values)), *a, **kw)
         return body(dict(zip(keys, values)), *args, **kwargs)
 
     extra = {"context_fn": context_fn} if context_fn is not None else {}

@@ -247,7 +247,7 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
         if isinstance(policy, OffloadInputs):
             def offloading_body(block_params, *args, **kwargs):
                 save = _host_saver(len(block_params), policy.pin_memory)
-                return recompute(body, block_params, *args, save=save, **kwargs)
+                return recompute(body, block_params, *args, save=save, inputs_to_host=policy.pin_memory, **kwargs)
             return offloading_body
 
         def recomputed_body(block_params, *args, **kwargs):
