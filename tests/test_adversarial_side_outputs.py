@@ -7,9 +7,10 @@ and an MoE router's logits for the load-balancing loss (Mixtral with
 that `checkpoint` or ``shard(stage=3)`` recomputes. Eagerly (zfunc's own
 ``value_and_grad``) the recompute is torch's non-reentrant checkpoint, so those
 tensors get their gradients: the result equals the plain step's, bit for bit.
-Where the recompute is an ``autograd.Function`` (under a torch.func transform,
-and checkpoint's ``offload_inputs`` policy) a side output gets no gradient:
-those cases are recorded as failures with the fix they need.
+Where the recompute is an ``autograd.Function`` (under a torch.func transform)
+a side output gets no gradient: those cases are recorded as failures with the
+fix they need. (checkpoint's ``offload_inputs`` policy takes the eager route
+too, with the block inputs held in host memory.)
 """
 
 from __future__ import annotations
@@ -130,14 +131,11 @@ def test_the_side_term_matters():
     assert not torch.allclose(state.params["blocks.0.gate.weight"], with_side["blocks.0.gate.weight"])
 
 
-FUNCTION_ROUTE = ("the autograd.Function route of zfunc/recompute.py (taken under torch.func and for "
-                  "checkpoint's offload_inputs policy) runs the block without grad and sees only its return "
-                  "value, so a side output is a constant there and its gradient is silently dropped (the module "
-                  "docstring claims it is refused when detected; nothing detects it). Fix: for offload_inputs "
-                  "eagerly, use the non-reentrant route with the kept inputs moved to the host inside the "
-                  "recompute closure; under torch.func, detect escapes: run the forward under a TorchDispatchMode "
-                  "that records weak references to outputs computed from the block's params/inputs, and raise "
-                  "if any is still alive after the block returns without being one of its outputs")
+FUNCTION_ROUTE = ("the autograd.Function route of zfunc/recompute.py (taken under torch.func) runs the block without "
+                  "grad and sees only its return value, so a side output is a constant there and its gradient is "
+                  "silently dropped; nothing detects it. Fix: run the forward under a TorchDispatchMode that records "
+                  "weak references to outputs computed from the block's params/inputs, and raise if any is still "
+                  "alive after the block returns without being one of its outputs (without refusing module caches)")
 
 
 @outcome("right")

@@ -23,9 +23,11 @@ Two routes, picked per call:
   ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
   backward re-runs it under `torch.func.vjp` (``create_graph=False``). That
   route sees only the block's return value: a tensor that leaves the block
-  otherwise carries no gradient there (it is refused when detected, see
-  `_RecomputeFunction`). The ``save=`` hook (checkpoint's ``offload_inputs``
-  policy) also takes this route.
+  otherwise carries no gradient there (not detected yet: keep side outputs
+  out of blocks recomputed under torch.func). Checkpoint's ``offload_inputs``
+  policy takes the eager route with the block's inputs held in host memory
+  (``inputs_to_host``), and this route, through its ``save=`` hook, under
+  torch.func.
 
 ``params`` is the dict of tensors that gradients flow to (a block's own
 parameters, or their shards); ``args``/``kwargs`` may hold tensors (which get
