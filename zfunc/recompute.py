@@ -131,14 +131,19 @@ def _refuse_kv_cache(tree: Any) -> None:
                 "(e.g. apply_fn(params, input_ids=x, use_cache=False)).")
 
 
+def host_copy(t: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """A copy of ``t`` in host memory: page-locked and copied asynchronously when ``pin_memory`` and ``t`` is
+    on a CUDA device. Autograd records the copy when ``t`` requires grad (gradients reach ``t``)."""
+    pinned = pin_memory and t.device.type == "cuda"
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned).copy_(t, non_blocking=pinned)
+
+
 class _OnHost:
     """A block input kept in host memory: `load` brings it back (differentiably) where it was."""
 
     def __init__(self, t: torch.Tensor, pin_memory: bool) -> None:
         self.device = t.device
-        pinned = pin_memory and t.device.type == "cuda"
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-        self.host = host.copy_(t, non_blocking=pinned)  # (copy_ records its backward: gradients reach t)
+        self.host = host_copy(t, pin_memory)
 
     def load(self) -> torch.Tensor:
         return self.host.to(self.device, non_blocking=True)

@@ -36,20 +36,16 @@ def exchange(op: str, phase: str, obj: Any, group: dist.Group, extra_s: float = 
     if extra_s:
         group = dataclasses.replace(group, timeout=group.timeout + extra_s)
     waiting = f"zf.io.{op} ({phase}): every rank of the process group must call zf.io.{op}, not only rank 0"
-    try:  # (first a fixed-size exchange, so a rank in another call meets this one: `zfunc.dist.announce`)
-        dist.announce(group, f"zf.io.{op} ({phase})", waiting)
+    here = f"zf.io.{op} ({phase})"
+    try:  # (a fixed-size exchange first, so that a rank in another call meets this one: `zfunc.dist.announce`)
+        dist.announce(group, here, waiting)
     except dist.CallMismatch as err:
         elsewhere = [f"rank {r} is in {call.removeprefix('zf.io.')}" for r, call in enumerate(err.calls)
-                     if call != f"zf.io.{op} ({phase})"]
+                     if call != here]
         raise CheckpointError(f"zf.io.{op} ({phase}) on rank {group.rank}: {'; '.join(elsewhere[:4])}: every rank "
                               f"must call zf.io.{op} at the same point of the program") from None
-    got = dist.all_gather_json([op, phase, obj], group, waiting)
-    elsewhere = [f"rank {r} is in {v[0]} ({v[1]})" for r, v in enumerate(got)
-                 if not isinstance(v, list) or len(v) != 3 or v[:2] != [op, phase]]
-    if elsewhere:
-        raise CheckpointError(f"zf.io.{op} ({phase}) on rank {group.rank}: {'; '.join(elsewhere[:4])}: every rank "
-                              f"must call zf.io.{op} at the same point of the program")
-    return [v[2] for v in got]
+    # (the announce above already checked that every rank is at this op and phase)
+    return dist.all_gather_json(obj, group, waiting)
 
 
 def raise_if_failed(op: str, errors: list[Any], rank: int, hint: str = "") -> None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
+from zfunc.tiers.placement import page_out
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -192,12 +193,6 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
 
         streamed_update(streamed, host, out_dtype)
     return params, spec.advanced(opt_state, mu, nu, lr), copy
-
-
-def page_out(t: torch.Tensor) -> None:
-    from zfunc.tiers.placement import page_out as to_drive  # noqa: PLC0415
-
-    to_drive(t)
 
 
 class _HostKernel:

@@ -70,19 +70,17 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
             grad_bufs[slot][:b - a].copy_(g[a:b], non_blocking=cuda)
             landed[slot].record(down)
 
-    def on_drive(i: int) -> list[torch.Tensor]:
-        """Chunk i's state where it lives in NVMe tier files (`zfunc.tiers.placement`), else nothing."""
-        (p, _, m, v, *_), a, b = pieces[i]
-        return [t[a:b] for t in (p, m, v) if is_mapped(t)]
+    # Each chunk's state that lives in NVMe tier files (`zfunc.tiers.placement`): read ahead, then paged out.
+    on_drive = [[t[a:b] for t in (p, m, v) if is_mapped(t)] for (p, _, m, v, *_), a, b in pieces]
 
     download(0)
-    for piece in on_drive(0):
+    for piece in on_drive[0]:
         prefetch(piece)
     for i, ((p, g, m, v, out, decay, host_out), a, b) in enumerate(pieces):
         slot = i % 2
         if i + 1 < len(pieces):
             download(i + 1)  # its gradient buffer was read by the kernel of chunk i-1, which has returned
-            for piece in on_drive(i + 1):  # the drive reads chunk i+1 while the kernel updates chunk i
+            for piece in on_drive[i + 1]:  # the drive reads chunk i+1 while the kernel updates chunk i
                 prefetch(piece)
         landed[slot].synchronize()
         n = b - a
@@ -91,7 +89,7 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
                    decay)
             if out_dtype is None:
                 host_out[a:b].copy_(p[a:b])
-            for piece in on_drive(i):
+            for piece in on_drive[i]:
                 page_out(piece)
             continue
         if sent[slot] is not None:
@@ -100,7 +98,7 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
         kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], back if out_dtype is not None else None, decay)
         if out_dtype is None:
             back.copy_(p[a:b])  # fp32 parameters go back as they are
-        for piece in on_drive(i):  # written back to the drive and out of host memory
+        for piece in on_drive[i]:  # written back to the drive and out of host memory
             page_out(piece)
         target = out[a:b] if out is not None else None
         if target is not None:

@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.functional import select_blocks
 from zfunc.interpret import Facts, Transform
-from zfunc.recompute import recompute, refuse_running_statistics
+from zfunc.recompute import host_copy, recompute, refuse_running_statistics
 from zfunc.tree import tree_leaves
 
 # --------------------------------------------------------------------------
@@ -395,10 +395,7 @@ def _to_host(t: torch.Tensor, pin_memory: bool):
     if t.device.type == "cpu":
         # Already in host memory: keep it (no copy), but remember its version to catch in-place edits.
         return (t, t._version)
-    pinned = pin_memory and torch.cuda.is_available()
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned)
-    host.copy_(t.detach(), non_blocking=pinned)
-    return (host, None)
+    return (host_copy(t.detach(), pin_memory), None)
 
 
 def _load(params: tuple, host: list, devices: list) -> tuple:

@@ -496,16 +496,8 @@ def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
 
 
 def _map_small(tree, keys: set, fn):
-    """``tree`` with ``fn`` applied to everything but its param-shaped dicts (which stay where placed)."""
-    if is_param_shaped(tree, keys):
-        return tree
-    if isinstance(tree, dict):
-        return {k: _map_small(v, keys, fn) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(_map_small(v, keys, fn) for v in tree))
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_map_small(v, keys, fn) for v in tree)
-    return fn(tree) if isinstance(tree, torch.Tensor) else tree
+    """``tree`` with ``fn`` applied to every tensor but those in its param-shaped dicts (which stay where placed)."""
+    return map_param_shaped(tree, keys, lambda d: d, lambda x: fn(x) if isinstance(x, torch.Tensor) else x)
 
 
 def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dist.Group) -> None:

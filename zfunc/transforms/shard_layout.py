@@ -268,17 +268,19 @@ def is_param_shaped(node: Any, keys: set[str]) -> bool:
                                                                   for v in node.values())
 
 
-def map_param_shaped(tree: Any, keys: set[str], fn: Callable[[dict], dict]) -> Any:
-    """Rebuild ``tree`` with every param-shaped dict ``d`` replaced by ``fn(d)``."""
+def map_param_shaped(tree: Any, keys: set[str], fn: Callable[[dict], dict],
+                     other: Callable[[Any], Any] | None = None) -> Any:
+    """Rebuild ``tree`` with every param-shaped dict ``d`` replaced by ``fn(d)`` and, with ``other``, every
+    leaf outside those dicts ``x`` by ``other(x)``."""
     if is_param_shaped(tree, keys):
         return fn(tree)
     if isinstance(tree, dict):
-        return {k: map_param_shaped(v, keys, fn) for k, v in tree.items()}
+        return {k: map_param_shaped(v, keys, fn, other) for k, v in tree.items()}
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(map_param_shaped(v, keys, fn) for v in tree))
+        return type(tree)(*(map_param_shaped(v, keys, fn, other) for v in tree))
     if isinstance(tree, (list, tuple)):
-        return type(tree)(map_param_shaped(v, keys, fn) for v in tree)
-    return tree
+        return type(tree)(map_param_shaped(v, keys, fn, other) for v in tree)
+    return tree if other is None else other(tree)
 
 
 def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dict], dict]) -> Any:
