@@ -29,42 +29,47 @@ VOCAB, WIDTH = 13, 10
 
 
 class Block(nn.Module):
-    def __init__(self, write: bool, max_norm: float | None) -> None:
+    def __init__(self, write: str | None, max_norm: float | None) -> None:
         super().__init__()
         self.write = write
         self.lin = nn.Linear(WIDTH, WIDTH)
         self.emb = nn.Embedding(VOCAB, WIDTH, max_norm=max_norm)
 
     def forward(self, x, tokens):
-        if self.write:
+        if self.write == "no_grad":
             with torch.no_grad():
                 self.lin.weight.mul_(0.9)
+        elif self.write == "data":  # a write autograd (and the version counter of .data's tensor) never sees
+            self.lin.weight.data.mul_(0.9)
         return x + torch.tanh(self.lin(x)) + 0.1 * self.emb(tokens)
 
 
 class Model(nn.Module):
     """``where`` the forward writes a parameter: the root unit ("root-max_norm": the token embedding,
-    "root-no_grad": the head under no_grad) or inside the blocks ("block-max_norm", "block-no_grad")."""
+    "root-no_grad": the head under no_grad, "root-data": the head through ``.data``) or inside the blocks
+    ("block-max_norm", "block-no_grad", "block-data")."""
 
     def __init__(self, where: str) -> None:
         super().__init__()
         self.where = where
         self.embed = nn.Embedding(VOCAB, WIDTH, max_norm=1.0 if where == "root-max_norm" else None)
-        self.blocks = nn.ModuleList(Block(where == "block-no_grad", 0.5 if where == "block-max_norm" else None)
-                                    for _ in range(2))
+        write = where.removeprefix("block-") if where in ("block-no_grad", "block-data") else None
+        self.blocks = nn.ModuleList(Block(write, 0.5 if where == "block-max_norm" else None) for _ in range(2))
         self.head = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens):
         if self.where == "root-no_grad":
             with torch.no_grad():
                 self.head.weight.mul_(0.9)
+        elif self.where == "root-data":
+            self.head.weight.data.mul_(0.9)
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, tokens)
         return self.head(x)
 
 
-WHERE = ["root-max_norm", "root-no_grad", "block-max_norm", "block-no_grad"]
+WHERE = ["root-max_norm", "root-no_grad", "root-data", "block-max_norm", "block-no_grad", "block-data"]
 BATCHES = [make_batch(seed=i) for i in range(2)]
 
 
@@ -122,10 +127,18 @@ def test_accumulate_behaves_as_eager_accumulation(where):
 
 
 @outcome("right")
-@pytest.mark.parametrize("where", ["root-max_norm", "root-no_grad", "block-no_grad"])
+@pytest.mark.parametrize("where", ["root-max_norm", "root-no_grad", "root-data", "block-no_grad", "block-data"])
 def test_shard_stage_1_behaves_as_eager_pytorch(where):
     """Stage 1 keeps full parameters on every rank: the write lands in them, as in eager PyTorch."""
     assert_same(zfunc_run(where, lambda s: shard(s, stage=1)), eager(where), rtol=1e-6, atol=1e-7)
+
+
+@outcome("right")
+@pytest.mark.parametrize("where", ["root-data", "block-data"])
+def test_shard_stage_2_behaves_as_eager_pytorch_for_writes_through_data(where):
+    """Stage 2 runs the model on the state's full parameters: a write through ``.data`` lands there, as in
+    eager PyTorch (a write under no_grad is refused: autograd sees a view of the unit buffer written)."""
+    assert_same(zfunc_run(where, lambda s: shard(s, stage=2)), eager(where), rtol=1e-6, atol=1e-7)
 
 
 REFUSED = {
@@ -144,6 +157,13 @@ REFUSED = {
     ("shard3", "block-no_grad"): ["in place", r"shard\(step, stage=3\)", "no_grad", "pure"],
     ("shard3-recompute", "block-max_norm"): ["in place", "shard", "pure"],
     ("shard1", "block-max_norm"): ["blocks.0.emb.weight", "in place", "shard", "pure"],
+    # Through .data (which `zfunc.data_access` makes visible to the version counters) as under no_grad.
+    ("mixed_precision", "root-data"): ["head.weight", "in place", "master", "pure"],
+    ("mixed_precision", "block-data"): ["blocks.0.lin.weight", "in place", "master", "pure"],
+    ("shard3", "root-data"): ["in place", r"shard\(step, stage=3\)", "pure"],
+    ("shard3", "block-data"): ["in place", r"shard\(step, stage=3\)", "pure"],
+    ("shard3-recompute", "block-data"): ["in place", "shard", "pure"],
+    ("checkpoint", "block-data"): ["blocks.0.lin.weight", "in place", "checkpoint", "pure"],
     # torch's own checkpoint fails here as well (the recompute sees other values): zfunc says why.
     ("checkpoint", "block-max_norm"): ["blocks.0.emb.weight", "in place", "checkpoint", "pure"],
     ("checkpoint", "block-no_grad"): ["blocks.0.lin.weight", "in place", "checkpoint", "pure"],
@@ -165,7 +185,7 @@ def test_a_write_that_would_reach_only_a_copy_is_refused(stack, where):
 
 
 @outcome("right")
-@pytest.mark.parametrize("where", ["root-max_norm", "root-no_grad"])
+@pytest.mark.parametrize("where", ["root-max_norm", "root-no_grad", "root-data"])
 def test_checkpoint_of_blocks_that_do_not_write_behaves_as_eager_pytorch(where):
     assert_same(zfunc_run(where, checkpoint), eager(where), rtol=1e-6, atol=1e-7)
 
@@ -201,15 +221,11 @@ class DataWrite(nn.Module):
         self.lin = nn.Linear(WIDTH, VOCAB)
 
     def forward(self, x):
-        self.lin.weight.data.mul_(0.9)  # .data: a write autograd (and any version check) never sees
+        self.lin.weight.data.mul_(0.9)  # .data: a write autograd never sees (zfunc.data_access makes it visible)
         return self.lin(x)
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason="a write through `.data` bumps no version counter, so mixed_precision's "
-                   "refuse_parameter_writes cannot see that the forward changed the compute copy; the fp32 master "
-                   "never gets it. Detecting it would need a checksum of the compute copy per forward (costly): "
-                   "documented as unsupported (RELIABILITY.md)")
+@outcome("clear")
 def test_a_write_through_data_under_mixed_precision_is_refused():
     torch.manual_seed(0)
     model = DataWrite()
@@ -223,3 +239,34 @@ def test_a_write_through_data_under_mixed_precision_is_refused():
     stepped = mixed_precision(step, "bf16")
     state = stepped.init(zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
     clear_error(lambda: stepped(state, x), "lin.weight", "in place", exc=RuntimeError)
+
+
+class DataAssign(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, x):
+        self.lin.weight.data = self.lin.weight.data * 0.9  # replaces the memory of the tensor it runs on
+        return self.lin(x)
+
+
+@outcome("clear")
+@pytest.mark.parametrize("stack", ["plain", "mixed_precision", "shard3"])
+def test_assigning_data_of_a_parameter_in_forward_is_refused(stack):
+    """In eager PyTorch the assignment replaces the parameter's memory; under zfunc the model runs on a
+    tensor made for the call (a leaf, a compute copy, a gathered buffer), so the state would never see it."""
+    torch.manual_seed(0)
+    apply_fn, params = zf.functional(DataAssign())
+    x = torch.randn(4, WIDTH)
+
+    def step(state, batch):
+        loss, grads = zf.value_and_grad(lambda p, b: apply_fn(p, b).square().mean())(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    wrap = {"plain": lambda s: s, "mixed_precision": lambda s: mixed_precision(s, "bf16"),
+            "shard3": lambda s: shard(s, stage=3)}[stack]
+    stepped = wrap(step)
+    state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
+    clear_error(lambda: stepped(state, x), r"lin\.weight\.data = ", "silently lost", "outside the model",
+                exc=RuntimeError)

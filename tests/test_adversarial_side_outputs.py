@@ -8,9 +8,10 @@ that `checkpoint` or ``shard(stage=3)`` recomputes. Eagerly (zfunc's own
 ``value_and_grad``) the recompute is torch's non-reentrant checkpoint, so those
 tensors get their gradients: the result equals the plain step's, bit for bit.
 Where the recompute is an ``autograd.Function`` (under a torch.func transform)
-a side output gets no gradient: those cases are recorded as failures with the
-fix they need. (checkpoint's ``offload_inputs`` policy takes the eager route
-too, with the block inputs held in host memory.)
+a side output would get no gradient: zfunc watches what the block computes
+and refuses, naming the remedies; a module's detached caches are not refused.
+(checkpoint's ``offload_inputs`` policy takes the eager route too, with the
+block inputs held in host memory.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.adversarial import assert_same, copies, outcome, single_thread  # noqa: F401 (a fixture)
+from tests.adversarial import assert_same, clear_error, copies, outcome, single_thread  # noqa: F401 (a fixture)
 from tests.models import make_batch
 from zfunc.transforms import checkpoint, mixed_precision, shard
 
@@ -131,29 +132,71 @@ def test_the_side_term_matters():
     assert not torch.allclose(state.params["blocks.0.gate.weight"], with_side["blocks.0.gate.weight"])
 
 
-FUNCTION_ROUTE = ("the autograd.Function route of zfunc/recompute.py (taken under torch.func) runs the block without "
-                  "grad and sees only its return value, so a side output is a constant there and its gradient is "
-                  "silently dropped; nothing detects it. Fix: run the forward under a TorchDispatchMode that records "
-                  "weak references to outputs computed from the block's params/inputs, and raise if any is still "
-                  "alive after the block returns without being one of its outputs (without refusing module caches)")
-
-
 @outcome("right")
 def test_side_outputs_under_checkpoint_offload_inputs():
     assert_same(run("list", lambda s: checkpoint(s, policy="offload_inputs")), run("list", lambda s: s))
 
 
-@outcome("silent")
-@pytest.mark.xfail(strict=True, reason=FUNCTION_ROUTE)
+@outcome("clear")
 @pytest.mark.parametrize("mode", ["list", "hook"])
-def test_side_outputs_under_torch_func_and_checkpoint_are_refused_or_right(mode):
-    reference = run(mode, lambda s: s, "torch.func")
-    try:
-        got = run(mode, checkpoint, "torch.func")
-    except (RuntimeError, ValueError) as err:  # a refusal that names the problem passes
-        assert "side" in str(err) or "return value" in str(err), err
-        return
-    assert_same(got, reference)
+def test_side_outputs_under_torch_func_and_checkpoint_are_refused(mode):
+    """Under torch.func the recompute is an autograd.Function that sees only the block's return value: a
+    side output would reach the loss as a constant. zfunc watches what the block computes and refuses."""
+    clear_error(lambda: run(mode, checkpoint, "torch.func"), "return value", "on the side", "zf.value_and_grad",
+                exc=RuntimeError)
+
+
+class CachingBlock(nn.Module):
+    """Keeps detached copies of what it computed (a cache, as some attention implementations do) and a
+    tensor made from a buffer only: neither carries a gradient in eager PyTorch, so neither is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.register_buffer("scale", torch.full((WIDTH,), 0.5))
+        self.cache: dict = {}
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.cache["last"] = h.detach()
+        self.cache["scale"] = self.scale * 2
+        return x + torch.tanh(h) * self.cache["scale"]
+
+
+class CachingLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(CachingBlock() for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@outcome("right")
+@pytest.mark.parametrize("wrap", ["plain", "checkpoint"])
+def test_module_caches_under_torch_func_and_checkpoint_are_not_refused(wrap):
+    def trained(wrapper):
+        torch.manual_seed(0)
+        apply_fn, params = zf.functional(CachingLM())
+
+        def loss_fn(p, batch):
+            return F.cross_entropy(apply_fn(p, batch["x"]).flatten(0, 1), batch["y"].flatten())
+
+        def step(state, batch):
+            return state.apply_gradients(torch.func.grad(loss_fn)(state.params, batch)), {}
+
+        stepped = wrapper(step)
+        state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
+        for i in range(2):
+            state, _ = stepped(state, make_batch(seed=i))
+        return zf.gather(stepped, state)
+
+    assert_same(trained(checkpoint if wrap == "checkpoint" else (lambda s: s)), trained(lambda s: s))
 
 
 @outcome("clear")

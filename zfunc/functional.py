@@ -42,6 +42,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
+from zfunc.data_access import ParamsWatch
 from zfunc.compiled import remember, tracing
 from zfunc.interpret import current, dispatch
 from zfunc.materialize import Init, Materializer
@@ -156,6 +157,8 @@ class ModelStructure:
         # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
         # used outside its block (`OutsideItsBlock`); provided by the call's transforms.
         self.outside: Callable[[str], torch.Tensor] | None = None
+        # While a call runs: what watches changes through `.data` of its parameters (`zfunc.data_access`).
+        self.data_watch: ParamsWatch | None = None
         self._blocks: list[str] | None = None
         self._selections: dict = {}
         self._of_type: dict = {}
@@ -510,12 +513,23 @@ def run_model_call(call: ModelCall) -> Any:
         # parameter used outside its block is not supported, see `zfunc.transforms.shard_compiled`.)
         outer_params.update(structure.placeholders(call.partial_keys, call.params))
     outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
+    # Inside a step or where gradients are taken (not for an inference call under no_grad, nor compiled);
+    # writes through `.data` need seeing where the model runs on copies or recomputes (`zfunc.data_access`).
+    watch = None
+    if (ctx is not None or torch.is_grad_enabled()) and not tracing():
+        facts = ctx.facts if ctx is not None else None
+        watch = ParamsWatch(see_data_writes=facts is not None and (
+            facts.compute_dtype is not None or facts.stage >= 3 or facts.recompute))
     with structure.lock:
         outside, structure.outside = structure.outside, call.resolve_outside
+        outer_watch, structure.data_watch = structure.data_watch, watch
         try:
-            return _run_locked(call, model, outer_params)
+            if watch is None:
+                return _run_locked(call, model, outer_params)
+            with watch, watch.watching(outer_params):
+                return _run_locked(call, model, outer_params)
         finally:
-            structure.outside = outside
+            structure.outside, structure.data_watch = outside, outer_watch
 
 
 def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
@@ -566,7 +580,9 @@ def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict,
     not run them again). ``tied``: whether the block holds a tensor under two
     names; only then may swapping in need to re-tie (see `swapped`).
     """
-    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied):
+    watch = structure.data_watch
+    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied), \
+            watch.watching(block_params) if watch is not None else contextlib.nullcontext():
         return type(block).forward(block, *args, **kwargs)
 
 

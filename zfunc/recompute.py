@@ -23,8 +23,8 @@ Two routes, picked per call:
   ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
   backward re-runs it under `torch.func.vjp` (``create_graph=False``). That
   route sees only the block's return value: a tensor that leaves the block
-  otherwise carries no gradient there (not detected yet: keep side outputs
-  out of blocks recomputed under torch.func). Checkpoint's ``offload_inputs``
+  otherwise would carry no gradient there, so the forward runs under
+  `EscapeWatch`, which refuses such side outputs. Checkpoint's ``offload_inputs``
   policy takes the eager route with the block's inputs held in host memory
   (``inputs_to_host``), and this route, through its ``save=`` hook, under
   torch.func.
@@ -36,9 +36,14 @@ gradients when they require them) and any other values.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
@@ -204,11 +209,13 @@ class _RecomputeFunction(torch.autograd.Function):
     def forward(plan: _Plan, *inputs: torch.Tensor):
         plan.rng = RNGState()
         params, tensors = inputs[:plan.num_params], inputs[plan.num_params:]
-        with torch.no_grad():
+        watch = EscapeWatch([t for t in inputs if t.is_floating_point()])
+        with torch.no_grad(), watch:
             out = plan.run(list(params), list(tensors))
         leaves, plan.out_spec = tree_flatten(out)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError("a recomputed block must return tensors (or a tuple/dict of tensors)")
+        watch.refuse_escapes(returned=leaves, inputs=inputs)
         # Returned tensors must not alias inputs (autograd would see a view of
         # a saved input); blocks rarely return an input unchanged, but be safe.
         return tuple(x.clone() if any(x is i for i in inputs) else x for x in leaves)
@@ -252,6 +259,83 @@ class _RecomputeFunction(torch.autograd.Function):
         for i, g in zip(wanted, grads):
             result[i] = g
         return (None, *result)
+
+
+class EscapeWatch(TorchDispatchMode):
+    """Find tensors that leave a block other than through its return value.
+
+    On the Function route the block runs without grad and only its return value is wired into autograd, so
+    a tensor it hands out otherwise (a forward hook or a list collecting a sub-module's output) reaches the
+    loss as a constant: its gradient would be dropped without a word. Under this dispatch mode every op
+    output computed from the watched tensors (the block's parameters and floating inputs), directly or
+    through other such outputs, is recorded by weak reference; `refuse_escapes` raises if one is still
+    alive after the block returned and is neither returned nor the base of a returned view. ``detach``
+    ends the chain: a detached tensor (a module's cache) carries no gradient in eager PyTorch either.
+    """
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.derived = WeakIdKeyDictionary({t: True for t in sources})
+        self.made: list[tuple[weakref.ref, str]] = []
+        self.kept_by_zfunc: set[int] = set()  # outputs a checkpoint policy saves for the backward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _ENDS_DERIVATION:
+            return out
+        inputs = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(a in self.derived for a in inputs):
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and not any(o is a for a in inputs):
+                    self.derived[o] = True
+                    self.made.append((weakref.ref(o), str(func)))
+        return out
+
+    def alive(self, returned: list[torch.Tensor], inputs: tuple) -> list[tuple[torch.Tensor, str]]:
+        """The derived tensors still alive that are not returned, bases of returned views, or inputs."""
+        kept = {id(t) for t in inputs} | self.kept_by_zfunc
+        for t in returned:
+            for layer in _functorch_layers(t):
+                while layer is not None:
+                    kept.add(id(layer))
+                    layer = layer._base
+        return [(t, op) for ref, op in self.made if (t := ref()) is not None and id(t) not in kept]
+
+    def refuse_escapes(self, returned: list[torch.Tensor], inputs: tuple) -> None:
+        if not self.alive(returned, inputs):
+            return
+        gc.collect()  # (a reference cycle may be what keeps a temporary alive)
+        escaped = self.alive(returned, inputs)
+        if escaped:
+            t, op = escaped[0]
+            raise RuntimeError(
+                f"a tensor computed inside a recomputed block ({op} -> {tuple(t.shape)} {t.dtype}; "
+                f"{len(escaped)} such) is still alive after the block returned but is not part of its return "
+                "value: a forward hook or a list carried it out on the side (Hugging Face's output_attentions, "
+                "an MoE router's logits). Under a torch.func transform the recompute is an autograd.Function "
+                "that sees only the block's return value, so that tensor's gradient would be silently lost. "
+                "Return it from the block, differentiate with zf.value_and_grad (whose recompute gives side "
+                "outputs exact gradients), or leave this block out of the recompute.")
+
+
+def kept_for_backward(t: torch.Tensor) -> None:
+    """Tell the enclosing `EscapeWatch`, if any, that zfunc itself keeps ``t`` for the backward (what
+    checkpoint's ``save_ops`` policy does with the outputs of the ops it saves): not a side output."""
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, EscapeWatch):
+            mode.kept_by_zfunc.add(id(t))
+
+
+def _functorch_layers(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and the tensors it wraps (under vmap the block returns batched wrappers of what its ops made)."""
+    layers = [t]
+    while torch._C._functorch.is_functorch_wrapped_tensor(layers[-1]):
+        layers.append(torch._C._functorch.get_unwrapped(layers[-1]))
+    return layers
+
+
+# Ops whose outputs carry no gradient in eager PyTorch (a module keeps such a tensor as a cache).
+_ENDS_DERIVATION = (torch.ops.aten.detach.default,)
 
 
 def _autograd_rerun(rerun: Callable, inputs: list[torch.Tensor], grad_outputs: tuple) -> list:

@@ -41,6 +41,7 @@ from zfunc.io.manifest import MAX_MANIFEST, read_latest, read_manifest, recorded
 from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.io.writer import step_name
 from zfunc.state import TrainState
+from zfunc.transforms.mixed_precision import MixedPrecisionState, describe_policy_codes
 from zfunc.transforms.shard_layout import ShardLayout
 from zfunc.tree import describe_mismatch
 
@@ -231,9 +232,10 @@ class _Reader:
         self.files: dict[int, RankFiles] = {}
         try:
             self._plan(layout, strict)
+            self._open(verify)
+            self._reconcile_policies(strict)
             if not cast:
                 self._refuse_narrowing()
-            self._open(verify)
         except BaseException:
             self.close()
             raise
@@ -279,24 +281,62 @@ class _Reader:
         self.ops: list[tuple[int, str, int, torch.Tensor, int, int]] = []
         self.sizes: dict[tuple[int, str], int] = {}  # (source rank, tensor name) -> elements it must hold
         self.finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (template tensor, staging) if not contiguous
-        world = m["world_size"]
+        self.dst = dst
         for path, group in groups.items():
-            if path not in source:
-                continue
-            for key, t in group.items():
-                a, b = dst.local(key, self.rank, t, f"template {path}")
-                out = self._flat(t)
-                for s in range(world):
-                    sa, sb = self.src.span(key, s)
-                    lo, hi = max(a, sa), min(b, sb)
-                    if hi > lo:
-                        name = f"{source[path]}/{escape(key)}"
-                        self.ops.append((s, name, lo - sa, out, lo - a, hi - lo))
-                        self.sizes[s, name] = sb - sa
+            if path in source:
+                self._read_group(path, source[path])
         for path, t in leaves.items():
             if path in m["leaves"]:
                 self.ops.append((0, path, 0, self._flat(t), 0, t.numel()))
                 self.sizes[0, path] = t.numel()
+
+    def _read_group(self, path: str, source: str) -> None:
+        """Plan reading the template's group ``path`` (param-shaped) from the checkpoint's group ``source``."""
+        for key, t in self.groups[path].items():
+            a, b = self.dst.local(key, self.rank, t, f"template {path}")
+            out = self._flat(t)
+            for s in range(self.manifest["world_size"]):
+                sa, sb = self.src.span(key, s)
+                lo, hi = max(a, sa), min(b, sb)
+                if hi > lo:
+                    name = f"{source}/{escape(key)}"
+                    self.ops.append((s, name, lo - sa, out, lo - a, hi - lo))
+                    self.sizes[s, name] = sb - sa
+
+    def _reconcile_policies(self, strict: bool) -> None:
+        """A checkpoint made under another mixed-precision policy than the template's (read its policy codes
+        first, before anything is written): with ``strict`` refused; without, only the master weights are
+        restored, and the template keeps its own policy, loss scaler and a compute copy cast from the master."""
+        for name, mp in (self.like.extras or {}).items():
+            prefix = f"extras/{name}/"
+            codes = f"{prefix}policy"
+            if not isinstance(mp, MixedPrecisionState) or codes not in self.manifest["leaves"]:
+                continue
+            saved = self.files[0].read(codes)
+            if saved.shape == mp.policy.shape and saved.tolist() == mp.policy.tolist():
+                continue
+            made, want = describe_policy_codes(saved.tolist()), describe_policy_codes(mp.policy.tolist())
+            if strict:
+                raise self._fail(
+                    f"the checkpoint was made under another mixed-precision policy ({made}) than the template's "
+                    f"({want}). To continue that run, build the template with the step that saved it; to move "
+                    "its weights to this policy, pass restore(..., strict=False): the fp32 master weights are "
+                    "restored and the template keeps its policy and a fresh loss scaler.")
+            scaler = {f"{prefix}{field}" for field in MixedPrecisionState._fields if field != "master"}
+            self.ops = [op for op in self.ops if op[1] not in scaler]
+            master = f"{prefix}master"
+            if "params" in self.source and master in self.source and master in self.manifest["groups"]:
+                # The compute copy is a cast of the master by definition: not the other policy's rounding.
+                self.ops = [op for op in self.ops if not op[1].startswith(f"{self.source['params']}/")]
+                self._read_group("params", master)
+                self.source["params"] = master
+                for (rank, tensor), size in self.sizes.items():
+                    if self.files[rank].entry(tensor).numel != size:
+                        raise self._fail(f"{tensor!r} of rank {rank} holds {self.files[rank].entry(tensor).numel} "
+                                         f"elements, the manifest's layout says {size}")
+            warnings.warn(f"restore from {self.dir}: made under another mixed-precision policy ({made}); restored "
+                          f"the master weights into this one ({want}), with this template's loss scaler",
+                          stacklevel=4)
 
     def _refuse_narrowing(self) -> None:
         """Refuse reading a saved tensor into a template tensor of a narrower dtype (see `restore`)."""

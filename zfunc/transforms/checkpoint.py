@@ -75,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.functional import select_blocks
 from zfunc.interpret import Facts, Transform
-from zfunc.recompute import host_copy, recompute, refuse_running_statistics
+from zfunc.recompute import host_copy, kept_for_backward, recompute, refuse_running_statistics
 from zfunc.tree import tree_leaves
 
 # --------------------------------------------------------------------------
@@ -335,6 +335,8 @@ class _OpMode(TorchDispatchMode):
         if not self.replay:
             out = func(*args, **kwargs)
             kept = out if isinstance(out, torch.Tensor) else None
+            if kept is not None:
+                kept_for_backward(kept)
             self.records.append([signature, kept, kept._version if kept is not None else 0])
             return out
         counts = self.owner.counts

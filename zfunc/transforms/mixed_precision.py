@@ -346,12 +346,9 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             return mp
         codes = mp.policy.tolist()
         if codes != self._policy_codes("cpu").tolist():
-            names = {v: k for k, v in _CODES.items()}
-            modes = {v: k for k, v in _SCALING_CODES.items()}
-            made = (f"params={names.get(codes[0])}, compute={names.get(codes[1])}, output={names.get(codes[2])}, "
-                    f"reduce={names.get(codes[3])}, loss scaling {modes.get(codes[4])}") if len(codes) == 5 else codes
             raise ValueError(
-                f"this state was made under another mixed-precision policy ({made}) than this step's "
+                f"this state was made under another mixed-precision policy ({describe_policy_codes(codes)}) than "
+                "this step's "
                 f"({self.policy.short()!r}, loss scaling {self.scaling}); running it would train with the wrong "
                 "dtypes or loss scale. Use the step that made it, or build a fresh state with this step's init "
                 "and copy the weights in (zfunc.io.restore(dir, like=step.init(...), strict=False)).")
@@ -554,6 +551,16 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
         return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps, mp.policy), at_min
+
+
+def describe_policy_codes(codes: list[int]) -> str:
+    """A `MixedPrecisionState.policy`'s codes in words ("params=float32, compute=bfloat16, ...")."""
+    if len(codes) != 5:
+        return f"codes {codes}"
+    names = {v: k for k, v in _CODES.items()}
+    modes = {v: k for k, v in _SCALING_CODES.items()}
+    return (f"params={names.get(codes[0])}, compute={names.get(codes[1])}, output={names.get(codes[2])}, "
+            f"reduce={names.get(codes[3])}, loss scaling {modes.get(codes[4])}")
 
 
 def where_tree(condition: torch.Tensor, if_true: Any, if_false: Any) -> Any:

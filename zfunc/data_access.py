@@ -1,0 +1,107 @@
+"""Changes made through ``.data`` to the parameters a model runs on.
+
+``weight.data`` is a tensor that shares ``weight``'s memory but not its
+version counter: a write through it (``self.lin.weight.data.mul_(0.9)`` in a
+forward) is invisible to autograd and to every check zfunc makes by version
+counter, and ``weight.data = other`` swaps the memory under the tensor. In
+eager PyTorch either change lands in the parameter and the optimizer steps
+from there. Under zfunc the model runs on tensors made for the call (leaves
+for differentiation, `mixed_precision`'s compute copy, stage 3's gathered
+buffer, a block recomputed in backward), where such a change would be lost
+without a word. `ParamsWatch` sees both while the model runs:
+
+- an assignment ``parameter.data = other`` moves the tensor's data pointer:
+  checked when the call (or the block) returns, and refused everywhere (the
+  state's parameter is never the tensor the model holds);
+- a write through ``parameter.data`` is seen where the model runs on a copy
+  or a block is recomputed: there a ``TorchFunctionMode`` (which lets every
+  other function through untouched) makes ``.data`` of a watched parameter
+  return ``parameter.detach()``: the same memory, the same values, but the
+  parameter's own version counter, so the write is seen exactly like a write
+  under ``torch.no_grad()`` and refused by the transform, naming the
+  parameter. Elsewhere (the plain step, offload, accumulate, stage 1/2) the
+  write lands in the state's parameter as in eager PyTorch, and the mode is
+  not pushed: it costs a Python call per torch function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_DATA = torch.Tensor.data  # the getset descriptor; its __get__ arrives as a fresh method-wrapper (compare with ==)
+
+
+class ParamsWatch:
+    """What one model call gives the model as parameters, watched for changes through ``.data``.
+
+    Args:
+      see_data_writes: whether to push `DataReadsAsDetach`, making writes through ``.data`` visible to
+        version counters (for the stacks where the model runs on copies or recomputes blocks).
+    """
+
+    def __init__(self, see_data_writes: bool) -> None:
+        self.mode = DataReadsAsDetach() if see_data_writes else None
+
+    @contextlib.contextmanager
+    def watching(self, params: dict[str, Any], where: str = "") -> Iterator[None]:
+        """While the ``with`` body runs the model on ``params`` (name -> tensor): route their ``.data``
+        through ``detach()`` (with ``see_data_writes``), and refuse after it any whose data pointer moved.
+        Nothing is kept once the body ends (a gathered block's buffer may be released then)."""
+        tensors = {name: t for name, t in params.items() if isinstance(t, torch.Tensor)}
+        pointers = {name: _data_pointer(t) for name, t in tensors.items()}
+        if self.mode is not None:
+            added = [i for i in map(id, tensors.values()) if i not in self.mode.watched]
+            self.mode.watched.update(added)
+        try:
+            yield
+        finally:
+            if self.mode is not None:
+                self.mode.watched.difference_update(added)
+        moved = [name for name, t in tensors.items() if pointers[name] is not None and _data_pointer(t) != pointers[name]]
+        if moved:
+            raise RuntimeError(
+                f"the model's forward assigns {where}{moved[0]}.data = ...{' (and ' + str(len(moved) - 1) + ' more)' if len(moved) > 1 else ''}: "
+                "that replaces the memory of the tensor this call runs on (a leaf made for differentiation or a "
+                "copy of the state's parameter), never the state's parameter, so the change would be silently "
+                "lost. Change parameters outside the model: in the step, on state.params (e.g. after "
+                "apply_gradients).")
+
+    def __enter__(self) -> ParamsWatch:
+        if self.mode is not None:
+            self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+
+
+def _data_pointer(t: torch.Tensor) -> int | None:
+    """Where ``t``'s elements are (through torch.func's wrappers); None for a tensor subclass, whose
+    ``data_ptr`` may run code (shard's stand-ins for a block's parameters gather them when used), or a
+    tensor without storage."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return None
+
+
+class DataReadsAsDetach(TorchFunctionMode):
+    """``.data`` of a watched tensor (by identity) returns ``detach()``, which shares its version counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watched: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func == _DATA.__get__ and args and id(args[0]) in self.watched:
+            return args[0].detach()
+        return func(*args, **(kwargs or {}))
