@@ -270,3 +270,61 @@ def test_assigning_data_of_a_parameter_in_forward_is_refused(stack):
     state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
     clear_error(lambda: stepped(state, x), r"lin\.weight\.data = ", "silently lost", "outside the model",
                 exc=RuntimeError)
+
+
+class LateDataWrite(nn.Module):
+    """Reads ``.data`` of its weight every forward (a norm for logging), writes through it from the 6th on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, VOCAB)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        self.last_norm = float(self.lin.weight.data.norm())
+        if self.forwards > 5:
+            self.lin.weight.data.mul_(0.9)
+        return self.lin(x)
+
+
+@outcome("clear")
+def test_a_model_reading_data_stays_watched_and_a_later_write_is_refused():
+    """`zfunc.data_access` watches a model's first forwards; one that read ``.data`` of a parameter there
+    stays watched, so a write through it at any later step is still refused."""
+    torch.manual_seed(0)
+    model = LateDataWrite()
+    apply_fn, params = zf.functional(model)
+    x = torch.randn(4, WIDTH)
+
+    def step(state, batch):
+        loss, grads = zf.value_and_grad(lambda p, b: apply_fn(p, b).square().mean())(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    stepped = mixed_precision(step, "bf16")
+    state = stepped.init(zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
+    for _ in range(5):
+        state, _ = stepped(state, x)
+    clear_error(lambda: stepped(state, x), "lin.weight", "in place", exc=RuntimeError)
+
+
+@outcome("right")
+def test_a_model_that_never_reads_data_is_watched_only_in_its_first_forwards():
+    """The watch costs a Python call per torch function: after the first forwards of a model that never
+    read ``.data`` of a parameter it is not pushed any more (see zfunc/data_access.py)."""
+    from zfunc.data_access import WATCHED_FORWARDS
+
+    torch.manual_seed(0)
+    apply_fn, params = zf.functional(Model("nowhere"))  # (writes nowhere)
+
+    def step(state, batch):
+        return state.apply_gradients(zf.value_and_grad(lambda p, b: _loss(apply_fn(p, b["x"]), b))(
+            state.params, batch)[1]), {}
+
+    stepped = shard(step, stage=3)
+    state = stepped.init(zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
+    history = apply_fn.structure.data_reads
+    for i in range(WATCHED_FORWARDS + 1):
+        assert history.should_watch() == (i < WATCHED_FORWARDS)
+        state, _ = stepped(state, BATCHES[0])
+    assert history.watched == WATCHED_FORWARDS and not history.seen

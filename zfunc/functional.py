@@ -42,7 +42,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from zfunc.data_access import ParamsWatch
+from zfunc.data_access import DataReadHistory, ParamsWatch
 from zfunc.compiled import remember, tracing
 from zfunc.interpret import current, dispatch
 from zfunc.materialize import Init, Materializer
@@ -159,6 +159,7 @@ class ModelStructure:
         self.outside: Callable[[str], torch.Tensor] | None = None
         # While a call runs: what watches changes through `.data` of its parameters (`zfunc.data_access`).
         self.data_watch: ParamsWatch | None = None
+        self.data_reads = DataReadHistory()
         self._blocks: list[str] | None = None
         self._selections: dict = {}
         self._of_type: dict = {}
@@ -516,18 +517,20 @@ def run_model_call(call: ModelCall) -> Any:
     # Inside a step or where gradients are taken (not for an inference call under no_grad, nor compiled);
     # writes through `.data` need seeing where the model runs on copies or recomputes (`zfunc.data_access`).
     watch = None
-    if (ctx is not None or torch.is_grad_enabled()) and not tracing():
-        facts = ctx.facts if ctx is not None else None
-        watch = ParamsWatch(see_data_writes=facts is not None and (
-            facts.compute_dtype is not None or facts.stage >= 3 or facts.recompute))
     with structure.lock:
+        if (ctx is not None or torch.is_grad_enabled()) and not tracing():
+            copies = ctx is not None and (ctx.facts.compute_dtype is not None or ctx.facts.stage >= 3
+                                          or ctx.facts.recompute)
+            watch = ParamsWatch(see_data_writes=copies and structure.data_reads.should_watch())
         outside, structure.outside = structure.outside, call.resolve_outside
         outer_watch, structure.data_watch = structure.data_watch, watch
         try:
             if watch is None:
                 return _run_locked(call, model, outer_params)
             with watch, watch.watching(outer_params):
-                return _run_locked(call, model, outer_params)
+                out = _run_locked(call, model, outer_params)
+            structure.data_reads.record(watch)
+            return out
         finally:
             structure.outside, structure.data_watch = outside, outer_watch
 
