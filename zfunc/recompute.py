@@ -215,10 +215,15 @@ class _RecomputeFunction(torch.autograd.Function):
         leaves, plan.out_spec = tree_flatten(out)
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             raise TypeError("a recomputed block must return tensors (or a tuple/dict of tensors)")
-        watch.refuse_escapes(returned=leaves, inputs=inputs)
-        # Returned tensors must not alias inputs (autograd would see a view of
-        # a saved input); blocks rarely return an input unchanged, but be safe.
-        return tuple(x.clone() if any(x is i for i in inputs) else x for x in leaves)
+        # What the Function returns are new tensor objects: a clone where the block returned an input (autograd
+        # would see a view of a saved input), else an alias of the same memory (`detach`: no copy). So the
+        # objects the block made are gone once ours are the only references, and one still alive was carried
+        # out on the side (a hook on the block's last layer keeps the very tensor the block returns, which
+        # would reach the loss as a constant here).
+        returned = tuple(x.clone() if any(x is i for i in inputs) else x.detach() for x in leaves)
+        del out, leaves
+        watch.refuse_escapes(returned=list(returned), inputs=inputs)
+        return returned
 
     @staticmethod
     def setup_context(ctx, inputs, output):
