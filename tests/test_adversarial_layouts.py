@@ -179,3 +179,66 @@ def test_a_mixed_precision_checkpoint_into_a_plain_template_needs_strict_false(t
     _, like = _state_of("plain")
     clear_error(lambda: zf.io.restore(tmp_path / "ck", like=like), "does not match the template",
                 "strict=False", exc=zf.io.CheckpointError)
+
+
+# -- edits to a state between steps -------------------------------------------------
+
+EDITS = {
+    "in place": lambda state, key: state.params[key].mul_(0.5),
+    "dict assignment": lambda state, key: state.params.__setitem__(key, state.params[key] * 0.5),
+    "replace": lambda state, key: state.replace(params={**state.params, key: state.params[key] * 0.5}),
+    "master in place": lambda state, key: state.extras["mixed_precision"].master[key].mul_(0.5),
+}
+
+
+@outcome("clear")
+@pytest.mark.parametrize("stack", ["bf16", "shard3-bf16"])
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edit_to_the_compute_copy_or_the_master_alone_is_refused(stack, edit):
+    """Under mixed_precision state.params is the compute copy of the fp32 master: an edit to one of them
+    alone would be ignored by the next step (or trained from weights that no longer match it)."""
+    stepped, state = _state_of(stack)
+    state, _ = stepped(state, BATCH)
+    key = "embed.weight"
+    with torch.no_grad():
+        edited = EDITS[edit](state, key)
+    state = edited if isinstance(edited, zf.TrainState) else state
+    clear_error(lambda: stepped(state, BATCH), "embed.weight", "changed", "compute copy", "step.gather",
+                "step.init", exc=ValueError)
+
+
+@outcome("right")
+@pytest.mark.parametrize("stack", ["plain", "shard1", "shard3", "offload"])
+def test_an_edit_to_the_params_in_place_trains_from_the_edited_weights(stack):
+    """Without a compute copy the params are the weights: an edit in place between steps is what the next
+    step starts from, as with a plain step."""
+    def run(wrap):
+        torch.manual_seed(0)
+        _, params, step = tiny_lm_step()
+        stepped = wrap(step)
+        state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.adamw(1e-2)))
+        state, _ = stepped(state, BATCH)
+        with torch.no_grad():
+            for v in state.params.values():
+                v.mul_(0.5)
+        state, _ = stepped(state, BATCH)
+        return zf.gather(stepped, state)
+
+    assert_same(run(STACKS[stack]), run(STACKS["plain"]), rtol=1e-6, atol=1e-7)
+
+
+@outcome("right")
+@pytest.mark.parametrize("how", ["deepcopy", "restore"])
+def test_a_copied_or_restored_mixed_precision_state_still_steps(how, tmp_path):
+    """What the check records is not carried into a deep copy (other tensors) nor kept by a restore (which
+    writes the template in place): neither is refused, and both step as the original does."""
+    stepped, state = _state_of("bf16")
+    state, _ = stepped(state, BATCH)
+    if how == "deepcopy":
+        other = copy.deepcopy(state)
+    else:
+        zf.io.save(tmp_path / "ck", state)
+        other, _ = zf.io.restore(tmp_path / "ck", like=_state_of("bf16")[1])
+    got, _ = stepped(other, BATCH)
+    want, _ = stepped(state, BATCH)
+    assert_same(zf.gather(stepped, got), zf.gather(stepped, want))

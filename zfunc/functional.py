@@ -638,7 +638,28 @@ class _BlockOverride:
         if self._inside:  # the body is running the module itself
             return type(self.block).forward(self.block, *args, **kwargs)
         block_params = {local: self.call.params[key] for local, key in self.param_names.items()}
-        return self.body(block_params, *args, **kwargs)
+        if tracing() or not self.call.recomputed(self.name):
+            return self.body(block_params, *args, **kwargs)
+        before = self._module_state()
+        out = self.body(block_params, *args, **kwargs)
+        changed = [name for name, mark in self._module_state().items() if before.get(name) != mark]
+        if changed:
+            raise RuntimeError(
+                f"block {self.name!r} changes {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} (a buffer "
+                "or frozen parameter, in place or by assignment) during its forward, and it is recomputed in "
+                "backward (checkpoint, or shard(stage=3, reshard='recompute')): the recompute would change it a "
+                "second time and compute the gradients from the changed value, so the result would silently "
+                "differ from eager PyTorch. Leave this block out of the recompute (checkpoint(step, "
+                "modules=[...]) without it; shard's reshard='release'), or keep such updates out of forward "
+                "(e.g. update the buffer in the step, outside the model).")
+        return out
+
+    def _module_state(self) -> dict[str, tuple[int, int]]:
+        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given."""
+        tensors = dict(self.block.named_buffers())
+        tensors.update(self.constants)
+        tensors.update((n, p) for n, p in self.block.named_parameters() if not p.requires_grad)
+        return {name: (id(t), t._version) for name, t in tensors.items()}
 
     def install(self) -> None:
         self.block.forward = self.forward

@@ -319,6 +319,8 @@ class Transform:
         ctx = StepContext(self.stack)
         token = _CONTEXT.set(ctx)
         try:
+            check_alive(state, f"{self.name}(...)")
+            check_copies(state, self.stack)
             try:
                 out = self._run(ctx, state, batch)
             except BaseException:
@@ -327,6 +329,8 @@ class Transform:
                 raise
             if not (isinstance(out, tuple) and out and out[0] is state):
                 consume(state, f"{self!r}")
+            if isinstance(out, tuple) and out:
+                stamp_copies(out[0], self.stack)
             return out
         finally:
             _CONTEXT.reset(token)
@@ -396,7 +400,9 @@ class Transform:
         if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
             return self.init_meta(state, init_device)
         inner = self.step.init(state) if isinstance(self.step, Transform) else state
-        return self.init_state(inner)
+        out = self.init_state(inner)
+        stamp_copies(out, self.stack)
+        return out
 
     def init_meta(self, state, init_device):
         """``init`` of a meta-built model's state; by default every value at once (only `shard`, which keeps
@@ -405,6 +411,15 @@ class Transform:
 
     def init_state(self, state):
         return state
+
+    def copies(self, state) -> dict[str, torch.Tensor]:
+        """Tensors of ``state`` this transform keeps consistent with each other (a compute copy and its
+        master), by a name for errors; an edit between steps is refused (`check_copies`). Default: none."""
+        return {}
+
+    def copies_explained(self) -> str:
+        """What `copies` are, for the error that refuses an edit to them."""
+        return ""
 
     def gather(self, state) -> dict[str, torch.Tensor]:
         """Full parameters (master dtype), keyed like `functional`'s params, on every rank.
@@ -476,10 +491,51 @@ class Donation:
     raises instead of computing on them.
     """
 
-    __slots__ = ("dead",)
+    __slots__ = ("dead", "stamp")
 
     def __init__(self) -> None:
         self.dead: str | None = None  # None: alive; else what consumed it
+        # ``(identity, version)`` of the tensors a stack keeps consistent with each other (`Transform.copies`),
+        # as the step that returned the state left them; None: not recorded (a copy, a restored template).
+        self.stamp: dict[str, tuple[int, int]] | None = None
+
+    def __deepcopy__(self, memo) -> Donation:
+        copied = Donation()  # (a deep copy holds other tensors: the stamp does not describe them)
+        copied.dead = self.dead
+        return copied
+
+
+def stamp_copies(state, stack: Stack) -> None:
+    """Record, on ``state``, the identity and version of the tensors ``stack``'s transforms keep consistent."""
+    donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation):
+        donation.stamp = {name: (id(t), t._version) for name, t in _copies(state, stack).items()}
+
+
+def check_copies(state, stack: Stack) -> None:
+    """Refuse a state in which a tensor the stack keeps consistent with another (`Transform.copies`) was
+    changed or replaced since the step that returned it: the step would silently ignore the edit, or train
+    from weights that no longer match it."""
+    donation = getattr(state, "donation", None)
+    stamp = donation.stamp if isinstance(donation, Donation) else None
+    if not stamp:
+        return
+    for name, t in _copies(state, stack).items():
+        if stamp.get(name) != (id(t), t._version):
+            owner = next(tr for tr in stack.transforms if name in tr.copies(state))
+            raise ValueError(
+                f"{name} was changed (in place or replaced) since {stack.transforms[0]!r} returned this state. "
+                f"{owner.copies_explained()} An edit to one of them alone would be silently ignored by the next "
+                "step, or trained from weights that no longer match it. To change weights, take "
+                "step.gather(state), edit that, and build a new state with step.init(zf.TrainState.create(...)) "
+                "(or restore a checkpoint into step.init's template).")
+
+
+def _copies(state, stack: Stack) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for transform in stack.transforms:
+        out.update(transform.copies(state))
+    return out
 
 
 def consume(state, by: str) -> None:

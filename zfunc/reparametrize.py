@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from zfunc.compiled import remember
+from zfunc.compiled import remember, tracing
 
 # (the owning module's _parameters or _buffers dict, attribute name), one per given name
 Slots = list[tuple[dict, str]]
@@ -54,10 +54,28 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
             originals.append(where[attr])
             where[attr] = tensor
         yield
+        _refuse_reassigned(slots, tensors)
     finally:
         # In reverse: a slot given under two names (a module at two positions) ends with its first original.
         for (where, attr), original in reversed(list(zip(slots, originals))):
             where[attr] = original
+
+
+def _refuse_reassigned(slots: Slots, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse a call whose forward assigned one of the swapped-in tensors (``self.ema = 0.9 * self.ema + ...``):
+    restoring the slots would undo the assignment without a word."""
+    if tracing():
+        return
+    last = {(id(where), attr): tensor for (where, attr), tensor in zip(slots, tensors.values())}  # (a slot given
+    # under two names, a module at two positions, holds the later one)
+    changed = [name for (where, attr), name in zip(slots, tensors) if where[attr] is not last[id(where), attr]]
+    if changed:
+        raise RuntimeError(
+            f"the model's forward assigns {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}, a tensor "
+            "zfunc swapped in for this call (a parameter, or a buffer cast by mixed_precision(cast_buffers=True)); "
+            "the slot is restored when the call ends, so the new value would be silently lost. Update a buffer in "
+            "place (self.ema.mul_(0.9).add_(...)), or leave buffers uncast (cast_buffers=False, the default); "
+            "change parameters outside the model, in the step.")
 
 
 def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Slots | None:

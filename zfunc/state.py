@@ -89,7 +89,11 @@ class TrainState:
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with some fields replaced (the state itself is immutable)."""
-        return dataclasses.replace(self, donation=Donation(), **changes)
+        donation = Donation()
+        # The record of what a stack keeps consistent carries over, so that a compute copy or master swapped
+        # in by ``replace`` is refused like one edited in place (`zfunc.interpret.check_copies`).
+        donation.stamp = self.donation.stamp
+        return dataclasses.replace(self, donation=donation, **changes)
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,

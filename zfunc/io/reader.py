@@ -99,6 +99,9 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     finally:
         if reader is not None:
             reader.close()
+    if like.donation.stamp is not None:
+        # The step's record of its compute copy and master described the values this restore replaced.
+        like.donation.stamp = None
     return like, client_state
 
 

@@ -335,6 +335,19 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         )
         return state.replace(params=new_params, opt_state=opt_state, extras={**state.extras, self.name: mp})
 
+    def copies(self, state) -> dict[str, torch.Tensor]:
+        mp = state.extras.get(self.name) if isinstance(getattr(state, "extras", None), dict) else None
+        if not isinstance(mp, MixedPrecisionState) or not mp.master:
+            return {}
+        out = {f"state.params[{k!r}]": v for k, v in state.params.items() if isinstance(v, torch.Tensor)}
+        out.update((f"state.extras[{self.name!r}].master[{k!r}]", v) for k, v in mp.master.items())
+        return out
+
+    def copies_explained(self) -> str:
+        return (f"Under {self!r}, state.params holds the {self.policy.compute_dtype} compute copy of the "
+                f"{self.policy.param_dtype} master weights in state.extras[{self.name!r}].master; each step "
+                "updates the master and writes the compute copy from it.")
+
     def _state_of(self, state) -> MixedPrecisionState:
         mp = state.extras.get(self.name) if isinstance(getattr(state, "extras", None), dict) else None
         if not isinstance(mp, MixedPrecisionState):
@@ -423,6 +436,14 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         norms = [name for name, m in call.model.named_modules()
                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats]
         if not norms:
+            kept = [name for name, b in call.model.named_buffers() if b.is_floating_point() and b.dtype != self.policy.compute]
+            if kept:
+                raise RuntimeError(
+                    f"{self!r}: the model computes with floating buffers that stay in their own dtype by default "
+                    f"(cast_buffers=False: {', '.join(kept[:4])}{' ...' if len(kept) > 4 else ''}), and one met "
+                    f"a {self.policy.compute_dtype} tensor where torch needs one dtype. Pass cast_buffers=True (the "
+                    "buffers are then used in the compute dtype, as the parameters are), or cast the buffer where "
+                    f"the model uses it (buffer.to(x.dtype)). torch said: {text.splitlines()[0][:200]}") from err
             return
         raise RuntimeError(
             f"{self!r}: {type(call.model).__name__} has norms with running statistics ({', '.join(norms[:4])}"
