@@ -36,18 +36,27 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-from zfunc.interpret import current, dispatch, gradients_ready
+from zfunc.interpret import current, dispatch, gradients_ready, psum
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
-def value_and_grad(fn: Callable, has_aux: bool = False) -> Callable:
+def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool = False) -> Callable:
     """``fn(params, *args) -> loss`` to ``(...)(params, *args) -> (loss, grads)``.
 
     ``grads`` has the structure of ``params`` and holds ∂loss/∂params (zeros for
     parameters the loss does not use). ``loss`` must be a real scalar tensor.
     With ``has_aux=True``, ``fn`` returns ``(loss, aux)`` and the result is
     ``((loss, aux), grads)``; ``aux`` is returned as computed (detached).
+
+    A NaN or infinite loss raises `FloatingPointError` (on every rank under
+    `shard`) before the step updates anything, so the state it was given is
+    still usable: its gradients would be NaN and the update would overwrite
+    the weights with them. ``allow_nonfinite=True`` returns them instead. Under
+    fp16 loss scaling the scaler handles such steps (it skips them), and under
+    torch.func transforms or torch.compile the loss is not read on the host.
+    The check reads one number on the host per call, after backward.
 
     Under transforms the same call may run differently (accumulated over
     micro-batches, with a loss scale, on parameter shards); its meaning does
@@ -58,9 +67,30 @@ def value_and_grad(fn: Callable, has_aux: bool = False) -> Callable:
 
     @functools.wraps(fn)
     def value_and_grad_fn(params, *args, **kwargs):
-        return dispatch("value_and_grad", plain_value_and_grad, fn, params, args, kwargs, has_aux)
+        out = dispatch("value_and_grad", plain_value_and_grad, fn, params, args, kwargs, has_aux)
+        if not allow_nonfinite:
+            _refuse_nonfinite_loss(out[0][0] if has_aux else out[0])
+        return out
 
     return value_and_grad_fn
+
+
+def _refuse_nonfinite_loss(loss: torch.Tensor) -> None:
+    """Raise on every rank if the loss is NaN or infinite on any (see `value_and_grad`)."""
+    ctx = current()
+    if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
+        return
+    if loss.is_meta or is_fake(loss):  # (the planner measures a step on fake tensors: there are no values)
+        return
+    bad = psum((~torch.isfinite(loss.detach())).to(torch.float32))  # under shard: on how many ranks
+    if bad.item():
+        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+        ranks = f" on {int(bad.item())} rank(s)" if ctx is not None and ctx.facts.stage else ""
+        raise FloatingPointError(
+            f"value_and_grad: the loss is {loss.item()}{ranks}{where}. The step stops here, before any update: "
+            "the state it was given is unchanged and can be stepped again. Look for the cause (a batch with "
+            "NaN or inf values, a log or division of zero, a learning rate that made the weights diverge); to "
+            "differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its gradients are NaN).")
 
 
 def grad(fn: Callable, has_aux: bool = False) -> Callable:

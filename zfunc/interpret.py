@@ -320,7 +320,7 @@ class Transform:
         token = _CONTEXT.set(ctx)
         try:
             check_alive(state, f"{self.name}(...)")
-            check_copies(state, self.stack)
+            check_copies(state, self)
             try:
                 out = self._run(ctx, state, batch)
             except BaseException:
@@ -330,7 +330,7 @@ class Transform:
             if not (isinstance(out, tuple) and out and out[0] is state):
                 consume(state, f"{self!r}")
             if isinstance(out, tuple) and out:
-                stamp_copies(out[0], self.stack)
+                stamp_copies(out[0], self)
             return out
         finally:
             _CONTEXT.reset(token)
@@ -398,10 +398,10 @@ class Transform:
         """
         check_alive(state, f"{self.name}(...).init")
         if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
-            return self.init_meta(state, init_device)
-        inner = self.step.init(state) if isinstance(self.step, Transform) else state
-        out = self.init_state(inner)
-        stamp_copies(out, self.stack)
+            out = self.init_meta(state, init_device)
+        else:
+            out = self.init_state(self.step.init(state) if isinstance(self.step, Transform) else state)
+        stamp_copies(out, self)
         return out
 
     def init_meta(self, state, init_device):
@@ -505,14 +505,23 @@ class Donation:
         return copied
 
 
-def stamp_copies(state, stack: Stack) -> None:
-    """Record, on ``state``, the identity and version of the tensors ``stack``'s transforms keep consistent."""
+def stamp_copies(state, outermost: Transform) -> None:
+    """Record, on ``state``, the identity and version of the tensors that ``outermost`` and the transforms
+    it wraps keep consistent."""
     donation = getattr(state, "donation", None)
     if isinstance(donation, Donation):
-        donation.stamp = {name: (id(t), t._version) for name, t in _copies(state, stack).items()}
+        donation.stamp = {name: (id(t), t._version) for name, t in _copies(state, outermost).items()}
 
 
-def check_copies(state, stack: Stack) -> None:
+def forget_copies(state) -> None:
+    """Drop ``state``'s record of its copies: zfunc wrote into its tensors outside a step (a restore, a
+    pretrained load), consistently; the next step records them afresh."""
+    donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation):
+        donation.stamp = None
+
+
+def check_copies(state, outermost: Transform) -> None:
     """Refuse a state in which a tensor the stack keeps consistent with another (`Transform.copies`) was
     changed or replaced since the step that returned it: the step would silently ignore the edit, or train
     from weights that no longer match it."""
@@ -520,20 +529,29 @@ def check_copies(state, stack: Stack) -> None:
     stamp = donation.stamp if isinstance(donation, Donation) else None
     if not stamp:
         return
-    for name, t in _copies(state, stack).items():
+    for name, t in _copies(state, outermost).items():
         if stamp.get(name) != (id(t), t._version):
-            owner = next(tr for tr in stack.transforms if name in tr.copies(state))
+            owner = next(tr for tr in _wrapped(outermost) if name in tr.copies(state))
             raise ValueError(
-                f"{name} was changed (in place or replaced) since {stack.transforms[0]!r} returned this state. "
+                f"{name} was changed (in place or replaced) since {outermost!r} returned this state. "
                 f"{owner.copies_explained()} An edit to one of them alone would be silently ignored by the next "
                 "step, or trained from weights that no longer match it. To change weights, take "
                 "step.gather(state), edit that, and build a new state with step.init(zf.TrainState.create(...)) "
                 "(or restore a checkpoint into step.init's template).")
 
 
-def _copies(state, stack: Stack) -> dict[str, torch.Tensor]:
+def _wrapped(outermost: Transform) -> list[Transform]:
+    """``outermost`` and the transforms inside it, outermost first (without building their `Stack`)."""
+    chain, t = [], outermost
+    while isinstance(t, Transform):
+        chain.append(t)
+        t = t.step
+    return chain
+
+
+def _copies(state, outermost: Transform) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for transform in stack.transforms:
+    for transform in _wrapped(outermost):
         out.update(transform.copies(state))
     return out
 

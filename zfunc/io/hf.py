@@ -68,7 +68,7 @@ import torch
 from torch import nn
 
 from zfunc import dist
-from zfunc.interpret import check_alive
+from zfunc.interpret import check_alive, forget_copies
 from zfunc.interpret import init as init_step
 from zfunc.io.entries import Spans, global_shapes, layout_of, walk, weights_path
 from zfunc.io.format import CheckpointError, progress_bar
@@ -227,6 +227,7 @@ def load_pretrained(directory: str | os.PathLike, like: TrainState, *, step: Cal
         if ckpt is not None:
             ckpt.close()
     tied = {a: k for k, t in targets.items() for a in t.aliases}
+    forget_copies(like)  # (written consistently here; the next step records the compute copy and master afresh)
     return like, LoadReport(str(directory), {k: plan.sources[k] for k in targets if k in plan.sources}, tied,
                             plan.copies, plan.missing, plan.unexpected, plan.dropped, plan.casts,
                             "units" if meta else "ranges", nbytes)

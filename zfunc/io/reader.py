@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from zfunc import dist
-from zfunc.interpret import check_alive
+from zfunc.interpret import check_alive, forget_copies
 from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
@@ -99,9 +99,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     finally:
         if reader is not None:
             reader.close()
-    if like.donation.stamp is not None:
-        # The step's record of its compute copy and master described the values this restore replaced.
-        like.donation.stamp = None
+    forget_copies(like)  # (the step's record of its compute copy and master described the replaced values)
     return like, client_state
 
 
