@@ -285,7 +285,12 @@ def _train(args, rank: int, world: int, device: torch.device) -> dict:
     for i in bar:
         batch = {k: v.to(device, non_blocking=True) for k, v in next(train_data).items()}
         t0 = time.perf_counter()
-        state, metrics = step(state, batch)
+        try:
+            state, metrics = step(state, batch)
+        except FloatingPointError as err:  # a NaN/inf loss: the step stopped before its update, state intact
+            log(f"step {i}: {str(err).splitlines()[0][:160]}; stopping (the last state is intact)")
+            ok = False
+            break
         loss = _global_mean(metrics["loss"], world)  # also waits for the step to finish
         dt = time.perf_counter() - t0
         train_time += dt

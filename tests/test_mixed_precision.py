@@ -255,11 +255,13 @@ def test_overflow_check_goes_through_psum():
     state = step.init(zf.TrainState.create(dict(params), zf.optim.sgd(0.1)))
     state, m = step(state, batch(0))  # finite here, but "another rank" overflowed: skip together
     assert step.psums == 1 and bool(m["skipped"]) and int(state.step) == 0
-    # bf16 checks nothing, so it asks for no psum
+    # bf16 checks no gradients; its one psum is value_and_grad's check that no rank's loss is NaN, which
+    # "another rank" answers here with a NaN count: the step stops before its update
     step = _OtherRankOverflows(mixed_precision(make_step(apply_fn), "bf16"))
     state = step.init(zf.TrainState.create(dict(params), zf.optim.sgd(0.1)))
-    state, m = step(state, batch(0))
-    assert step.psums == 0 and not bool(m["skipped"]) and int(state.step) == 1
+    with pytest.raises(FloatingPointError, match="loss is"):
+        step(state, batch(0))
+    assert step.psums == 1 and int(state.step) == 0
 
 
 # -- apply: casts ----------------------------------------------------------------
@@ -425,11 +427,13 @@ def test_errors():
         step.init(state)
 
 
-def test_bf16_does_not_check_or_skip():
-    """bf16 has fp32's exponent range: no loss scale, no check, NaNs propagate as in the plain step."""
-    _, out, _, m = run(lambda s: mixed_precision(s, "bf16"), zf.optim.sgd(0.1), [batch(0), batch(1, poison=True)])
+def test_bf16_does_not_skip_and_a_nan_loss_stops_as_in_the_plain_step():
+    """bf16 has fp32's exponent range: no loss scale and no skipping; a NaN loss stops the step before its
+    update, as zf.value_and_grad does in the plain step (tests/test_adversarial_nonfinite.py)."""
+    _, out, _, m = run(lambda s: mixed_precision(s, "bf16"), zf.optim.sgd(0.1), [batch(0), batch(1)])
     assert [bool(x["skipped"]) for x in m] == [False, False] and int(out.step) == 2
-    assert not torch.isfinite(out.extras["mixed_precision"].master["embed.weight"]).all()
+    with pytest.raises(FloatingPointError, match="loss is inf"):
+        run(lambda s: mixed_precision(s, "bf16"), zf.optim.sgd(0.1), [batch(0), batch(1, poison=True)])
 
 
 def _one_rank_overflows():

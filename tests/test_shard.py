@@ -104,9 +104,10 @@ def test_memory_and_communication_follow_zero_formulas(world):
                 expected = 12 * padded // world
                 root = sum(p for name, _, p in units if name == "")
                 comm = 3 * (padded - root) + 2 * root  # root: gathered once per step, kept for backward
+            comm += 1  # zf.value_and_grad's check that no rank's loss is NaN: one element summed over ranks
             assert expected <= got["bytes"] <= expected + scalars, (stage, got["bytes"], expected)
             assert got["comm"] == comm, (stage, got["comm"], comm)
-            assert comm <= 3 * padded and padded - psi < world * len(units)
+            assert comm - 1 <= 3 * padded and padded - psi < world * len(units)
 
 
 def peak_gathered_blocks(reshard: str) -> int:
