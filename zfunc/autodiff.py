@@ -68,22 +68,23 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
     @functools.wraps(fn)
     def value_and_grad_fn(params, *args, **kwargs):
         out = dispatch("value_and_grad", plain_value_and_grad, fn, params, args, kwargs, has_aux)
-        if not allow_nonfinite:
-            _refuse_nonfinite_loss(out[0][0] if has_aux else out[0])
+        _refuse_nonfinite_loss(out[0][0] if has_aux else out[0], allow_nonfinite)
         return out
 
     return value_and_grad_fn
 
 
-def _refuse_nonfinite_loss(loss: torch.Tensor) -> None:
+def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
     """Raise on every rank if the loss is NaN or infinite on any (see `value_and_grad`)."""
     ctx = current()
     if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
         return
     if loss.is_meta or is_fake(loss):  # (the planner measures a step on fake tensors: there are no values)
         return
+    # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code
+    # may say): every rank then makes the same collectives, whatever each decides.
     bad = psum((~torch.isfinite(loss.detach())).to(torch.float32))  # under shard: on how many ranks
-    if bad.item():
+    if not allow and bad.item():
         where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
         ranks = f" on {int(bad.item())} rank(s)" if ctx is not None and ctx.facts.stage else ""
         raise FloatingPointError(
