@@ -219,3 +219,41 @@ def test_restore_into_a_template_of_another_stack_on_one_rank_fails_on_every_ran
     assert all(m is not None for m in messages), messages
     says(messages[0], "failed on 1 of 2 ranks", "rank 1", "mixed_precision", "strict=False")
     says(messages[1], "mixed_precision", "strict=False")
+
+
+# -- settings that are each rank's own ----------------------------------------------
+
+
+def _own_nvme_dirs(root: str, fraction_differs: bool) -> dict:
+    from zfunc.transforms import offload
+
+    rank = tdist.get_rank()
+    step, params = _model_step()
+    own = os.path.join(root, f"rank{rank}")  # each rank's own local drive, as on separate nodes
+    os.makedirs(own, exist_ok=True)
+    fraction = 0.25 if fraction_differs and rank == 1 else 0.5
+    stepped = shard(offload(step, nvme_fraction=fraction, nvme_dir=own, threads=1 + rank), stage=2)
+    try:
+        state = stepped.init(zf.TrainState.create(params, zf.optim.adamw(1e-2)))
+    except CollectiveError as err:
+        return {"error": str(err)}
+    for i in range(2):
+        state, _ = stepped(state, make_batch(seed=10 * i + rank))
+    return {"params": stepped.gather(state)}
+
+
+@outcome("right")
+def test_ranks_with_their_own_nvme_directories_and_threads_train_as_one(tmp_path):
+    """nvme_dir and threads are each rank's own (a local drive's path, its cores): they do not change the
+    step, so ranks are not refused for them, and the replicas stay equal."""
+    out = run_distributed(_own_nvme_dirs, 2, str(tmp_path), False, timeout=120)
+    assert all("params" in o for o in out), out
+    for key, value in out[0]["params"].items():
+        assert torch.equal(value, out[1]["params"][key]), key
+
+
+@outcome("clear")
+def test_ranks_with_another_nvme_fraction_are_still_refused(tmp_path):
+    out = run_distributed(_own_nvme_dirs, 2, str(tmp_path), True, timeout=120)
+    for o in out:
+        says(o["error"], "ranks disagree", "nvme_fraction")

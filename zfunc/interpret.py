@@ -450,10 +450,22 @@ class Transform:
         """The settings shown by ``repr``; override in subclasses."""
         return {}
 
+    # Settings that may differ between ranks without changing what the step computes (a rank's own NVMe
+    # directory, its host threads): left out of what ranks compare (`agreed_repr`).
+    rank_local_settings: tuple[str, ...] = ()
+
     def __repr__(self) -> str:
-        inner = repr(self.step) if isinstance(self.step, Transform) else getattr(
+        return self._repr(everything=True)
+
+    def agreed_repr(self) -> str:
+        """``repr`` without the `rank_local_settings` of any transform in it: what every rank must share."""
+        return self._repr(everything=False)
+
+    def _repr(self, everything: bool) -> str:
+        inner = self.step._repr(everything) if isinstance(self.step, Transform) else getattr(
             self.step, "__name__", repr(self.step))
-        extra = "".join(f", {k}={v!r}" for k, v in self.settings().items())
+        extra = "".join(f", {k}={v!r}" for k, v in self.settings().items()
+                        if everything or k not in self.rank_local_settings)
         return f"{self.name}({inner}{extra})"
 
 

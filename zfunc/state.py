@@ -16,7 +16,7 @@ checkpoints see the whole state):
 ``tx`` (the optimizer), ``ties`` (tied weights: ``(alias, key)`` pairs,
 e.g. ``("head.weight", "embed.weight")``, recorded from `zf.functional`'s
 params so that checkpoints can export every name the model has) and
-``blocks`` (the model's repeated blocks, `zfunc.functional.find_blocks`, so
+``blocks`` (the model's repeated blocks, `zfunc.blocks.find_blocks`, so
 that `shard` groups parameters as `checkpoint` recomputes them) are static:
 part of the tree structure, not leaves.
 
@@ -65,7 +65,7 @@ class TrainState:
           ties: ``{alias: key}`` of tied weights; by default the ones `zf.functional`
             recorded on ``params`` (a plain dict built from them records none).
           blocks: the model's repeated blocks (qualified names); by default the ones
-            `zf.functional` recorded (`zfunc.functional.find_blocks`), else found from
+            `zf.functional` recorded (`zfunc.blocks.find_blocks`), else found from
             the parameter names when a transform needs them.
         Returns:
           The state, ``step`` on the parameters' device.

@@ -8,9 +8,9 @@ backward (`zfunc.recompute`, an ``autograd.Function`` that works inside
 are the same in the recompute: the step computes exactly what the plain step
 computes.
 
-Blocks (``modules``), resolved by `zfunc.functional.select_blocks`:
+Blocks (``modules``), resolved by `zfunc.blocks.select_blocks`:
 
-- ``None``: the model's blocks, `zfunc.functional.find_blocks` (the children
+- ``None``: the model's blocks, `zfunc.blocks.find_blocks` (the children
   of its outermost ``ModuleList``/``Sequential`` containers, a transformer's
   layers; the same blocks `shard` makes its units of);
 - a module class or tuple of classes: every outermost sub-module of that type;
@@ -73,7 +73,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfunc.autodiff import under_torch_func_or_compile
-from zfunc.functional import select_blocks
+from zfunc.blocks import select_blocks
 from zfunc.interpret import Facts, Transform
 from zfunc.recompute import host_copy, kept_for_backward, recompute, refuse_running_statistics
 from zfunc.tree import tree_leaves

@@ -112,6 +112,9 @@ class offload(Transform):  # noqa: N801
         self.device_fraction, self.nvme_fraction = device_fraction, nvme_fraction
         self.nvme_dir = None if nvme_dir is None else os.fspath(nvme_dir)
 
+    # Each rank's own NVMe directory and host threads: the same step whatever they are.
+    rank_local_settings = ("nvme_dir", "threads")
+
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"optimizer": self.optimizer} if self.optimizer != "host" else {}
         if self.threads is not None:

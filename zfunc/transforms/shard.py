@@ -118,7 +118,7 @@ class shard(Transform):  # noqa: N801
       group: a torch.distributed process group (default: the world; a world of 1
         when torch.distributed is not initialized).
       units: module names gathered/reduced as one collective each (default: the
-        model's blocks, `zfunc.functional.find_blocks`; everything else is the root
+        model's blocks, `zfunc.blocks.find_blocks`; everything else is the root
         unit). The unit is also the reduce bucket of stage 2.
       reshard: stage 3, how a gathered block is dropped between its forward and
         backward: "release" (free and re-gather) or "recompute" (run it again).
@@ -506,7 +506,7 @@ def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dis
         return
     dist.announce(group, "step.init of shard")
     described = {
-        "the step": without_addresses(repr(transform)),
+        "the step": without_addresses(transform.agreed_repr()),
         "the parameter names, in order": list(state.params),
         "the parameter shapes and dtypes": {k: [list(v.shape), str(v.dtype)] for k, v in state.params.items()},
         "the units": [[u.name, list(u.keys)] for u in layout.units],

@@ -2,7 +2,7 @@
 
 A *unit* is a group of parameters that is gathered (stage 3) or
 reduce-scattered (stage 2) with one collective: by default each of the
-model's blocks (`zfunc.functional.find_blocks`, the same blocks `checkpoint`
+model's blocks (`zfunc.blocks.find_blocks`, the same blocks `checkpoint`
 recomputes) is a unit, and every other parameter belongs to the root unit
 ``""``. A unit's parameters, flattened and concatenated in key
 order, form one flat buffer padded with zeros to a multiple of N; rank r owns
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from zfunc.compiled import cached_property, remember
-from zfunc.functional import find_blocks
+from zfunc.blocks import find_blocks
 from zfunc.tree import register_pytree_node
 
 ROOT = ""

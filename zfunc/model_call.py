@@ -1,0 +1,526 @@
+"""One call of a functional model, and how it runs.
+
+A `ModelCall` is what the ``apply`` primitive carries through the transforms
+(the module, the params and arguments, the block wrappers transforms add);
+`ModelStructure` is what depends only on the module and is found once (a
+block's parameter names, the slots `zfunc.reparametrize` swaps, the frozen
+tensors); `run_model_call` is the plain implementation at the bottom of the
+stack: the module run with its params swapped in, each wrapped block's
+``forward`` routed through its wrappers (`_BlockOverride`). `OutsideItsBlock`
+stands in, outside its block, for a block parameter a transform holds only as
+a shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Callable, Literal
+
+import torch
+from torch import nn
+
+from zfunc.blocks import find_blocks, select_blocks
+from zfunc.compiled import remember, tracing
+from zfunc.data_access import DataReadHistory, ParamsWatch
+from zfunc.interpret import current
+from zfunc.params_check import check_shapes_and_dtypes
+from zfunc.recompute import recompute
+from zfunc.reparametrize import swapped
+
+# A block body runs one sub-module on its (local-named) trainable params:
+#     body(block_params: dict[str, Tensor], *args, **kwargs) -> output
+BlockBody = Callable[..., Any]
+# A block wrapper rewrites a body: wrapper(block_name, body) -> body
+BlockWrapper = Callable[[str, BlockBody], BlockBody]
+
+
+@dataclasses.dataclass
+class ModelCall:
+    """One call of a functional model, as transforms see and rewrite it.
+
+    ``params`` are the trainable parameters handed to ``apply_fn`` (whatever
+    the active transforms keep there: full tensors, a compute-dtype copy,
+    or shards that a transform gathers per block).
+
+    ``block_wrappers`` maps a block's qualified name to wrappers of its body.
+    Wrappers of kind ``"materialize"`` (gather, cast) run innermost, right
+    around the module's own forward; wrappers of kind ``"around"`` wrap
+    those and must recompute their body in backward (as `zfunc.recompute`
+    does) rather than keep what it materialized: a recomputed block then
+    re-gathers its parameters in backward instead of saving them.
+    """
+
+    model: nn.Module
+    params: dict[str, torch.Tensor]
+    args: tuple
+    kwargs: dict
+    structure: "ModelStructure"
+    block_wrappers: dict[str, list[tuple[str, BlockWrapper]]] = dataclasses.field(default_factory=dict)
+    # Replacements, by qualified name, for the module's own non-trainable
+    # tensors (frozen parameters, buffers): e.g. compute-dtype copies under
+    # `mixed_precision`. Inside a wrapped block they are handed to the block's
+    # own forward, so a block recomputed in backward sees them too.
+    constants: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    recompute_required: set[str] = dataclasses.field(default_factory=set)
+    # Keys whose tensor in ``params`` is not the full parameter (a shard that a block wrapper
+    # gathers), and how to get the full one elsewhere: see `run_model_call`.
+    partial_keys: frozenset = frozenset()
+    resolve_outside: Callable[[str], torch.Tensor] | None = None
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Every trainable qualified name, tied ones included -> its key in params."""
+        return self.structure.aliases
+
+    def recomputed(self, name: str) -> bool:
+        """Whether block ``name`` is recomputed in backward (an "around" wrapper, or a required recompute)."""
+        return name in self.recompute_required or any(k == "around" for k, _ in self.block_wrappers.get(name, ()))
+
+    def wrap_block(self, name: str, wrapper: BlockWrapper,
+                   kind: Literal["materialize", "around"] = "around") -> None:
+        if kind not in ("materialize", "around"):
+            raise ValueError(f"kind must be 'materialize' or 'around', got {kind!r}")
+        self.block_wrappers.setdefault(name, []).append((kind, wrapper))
+
+    def require_recompute(self, name: str) -> None:
+        """Ask that block ``name`` keep nothing it materialized for backward.
+
+        `shard(stage=3)` asks this so that a gathered block is not saved by
+        autograd; if no "around" wrapper (all of which recompute, e.g. the
+        `checkpoint` transform's) is given for the block, a plain recompute
+        is added. Either way the block is recomputed once, not twice.
+        """
+        self.block_wrappers.setdefault(name, [])
+        self.recompute_required.add(name)
+
+    def block_param_names(self, name: str) -> dict[str, str]:
+        """``{local name: params key}`` of the trainable parameters of block ``name``."""
+        return self.structure.block_param_names(name)
+
+
+class ModelStructure:
+    """What depends only on a module's structure, found once per model and kept across calls.
+
+    Each lookup walks modules, which would otherwise happen per block per
+    forward. Filled lazily; every entry is a pure function of the module tree
+    as it was when `functional` was called (a concurrent fill computes the
+    same value).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.aliases: dict[str, str] = {}
+        canonical_of: dict[int, str] = {}
+        self.trainable: list[tuple[str, dict, str, torch.Tensor]] = []  # (name, owner's _parameters, attr, tensor)
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for attr, p in module._parameters.items():
+                if p is not None and p.requires_grad:
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    self.aliases[name] = canonical_of.setdefault(id(p), name)
+                    self.trainable.append((name, module._parameters, attr, p))
+        self.keys = frozenset(self.aliases.values())
+        # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against.
+        self.spec = {name: (p.shape, p.dtype) for name, _, _, p in self.trainable if self.aliases[name] == name}
+        self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
+        # The module is one object shared by every call: swapping tensors into its slots (and a
+        # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
+        # recompute in backward takes it again (possibly from autograd's own thread).
+        self._lock = threading.RLock()
+        self._block_names: dict[str, dict[str, str]] = {}
+        self._block_ties: dict[str, bool] = {}
+        self._outer: dict[tuple, list[tuple[str, str]]] = {}
+        self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
+        # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
+        # used outside its block (`OutsideItsBlock`); provided by the call's transforms.
+        self.outside: Callable[[str], torch.Tensor] | None = None
+        # While a call runs: what watches changes through `.data` of its parameters (`zfunc.data_access`).
+        self.data_watch: ParamsWatch | None = None
+        self.data_reads = DataReadHistory()
+        self._blocks: list[str] | None = None
+        self._selections: dict = {}
+        self._of_type: dict = {}
+        # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
+        self.constant_slots: list | None = None
+
+    @property
+    def lock(self) -> Any:
+        """The model's reentrant lock (see ``__init__``); a no-op while torch.compile traces.
+
+        Dynamo cannot trace a lock, and needs none: tracing is serialized by
+        its compile lock, and a compiled step computes on the traced tensors
+        directly. What it still does to the module at run time is put back
+        in each slot the tensor the slot holds (its replay of the swaps,
+        which restored them): compiled steps may run alongside each other,
+        but not alongside an eager step of the same model.
+        """
+        return contextlib.nullcontext() if tracing() else self._lock
+
+    def select(self, modules: Any) -> list[str]:
+        """`select_blocks` for this model, found once per distinct ``modules`` argument."""
+        key = tuple(modules) if isinstance(modules, list) else modules
+        found = self._selections.get(key)
+        if found is None:
+            found = remember(self._selections, key, select_blocks(self.model, modules, self))
+        return found
+
+    def submodules_of_type(self, name: str, kind: type) -> list[tuple[str, nn.Module]]:
+        """``(qualified name, module)`` of block ``name``'s sub-modules of type ``kind`` (itself included)."""
+        found = self._of_type.get((name, kind))
+        if found is None:
+            block = self.model.get_submodule(name)
+            found = remember(self._of_type, (name, kind), [
+                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)])
+        return found
+
+    def blocks(self) -> list[str]:
+        """The model's repeated blocks (`find_blocks` over every parameter, frozen ones included)."""
+        if self._blocks is None:
+            found = find_blocks({n: p.numel() for n, p in self.model.named_parameters(remove_duplicate=False)})
+            if tracing():
+                return found
+            self._blocks = found
+        return self._blocks
+
+    def block_param_names(self, name: str) -> dict[str, str]:
+        """``{local name in block: key in params}`` for a sub-module's trainable params."""
+        names = self._block_names.get(name)
+        if names is None:
+            block = self.model.get_submodule(name)
+            prefix = f"{name}." if name else ""
+            names = {local: self.aliases[prefix + local]
+                     for local, p in block.named_parameters(remove_duplicate=False) if p.requires_grad}
+            remember(self._block_names, name, names)
+        return names
+
+    def block_has_ties(self, name: str) -> bool:
+        """Whether block ``name`` holds one tensor under two names (then swapping its params in
+        must re-tie them, which walks the block's modules; most blocks need not)."""
+        tied = self._block_ties.get(name)
+        if tied is None:
+            block = self.model.get_submodule(name)
+            named = list(block.named_parameters(remove_duplicate=False)) + \
+                list(block.named_buffers(remove_duplicate=False))
+            tied = remember(self._block_ties, name, len({id(t) for _, t in named}) < len(named))
+        return tied
+
+    def outer_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``(name, key)`` of the trainable names outside the blocks with these ``prefixes``."""
+        outer = self._outer.get(prefixes)
+        if outer is None:
+            outer = remember(self._outer, prefixes,
+                             [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)])
+        return outer
+
+    def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``(name, key)`` of the trainable names inside the blocks with these ``prefixes``."""
+        outer = set(self.outer_names(prefixes))
+        return [(n, k) for n, k in self.aliases.items() if (n, k) not in outer]
+
+    def placeholders(self, keys: frozenset, params: dict) -> dict[str, torch.Tensor]:
+        """``{name: placeholder}`` for every trainable name whose key is in ``keys``: a tensor with the
+        parameter's shape and the dtype and device of ``params[key]``, holding no data, resolved on use
+        (`OutsideItsBlock`). Built once per set of keys."""
+        sample = params[next(iter(keys))]
+        index = (keys, sample.dtype, sample.device)
+        found = self._placeholders.get(index)
+        if found is None:
+            shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
+            found = remember(self._placeholders, index, {
+                name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device, self)
+                for name, key in self.aliases.items() if key in keys})
+        return found
+
+    def check_trainable(self) -> None:
+        """Refuse a call after the module's trainable set changed since `functional` was called."""
+        with self.lock:  # another thread's call may have other tensors in the slots right now
+            self._check_trainable()
+
+    def _check_trainable(self) -> None:
+        for name, where, attr, p in self.trainable:
+            # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
+            # is only a template); what matters is that it still trains.
+            now = where.get(attr)
+            if not p.requires_grad or (now is not None and not now.requires_grad):
+                raise ValueError(
+                    f"the module's parameter {name!r} had requires_grad set to False after "
+                    "zf.functional(model), which has no effect: "
+                    "which parameters train is fixed when functional() is called (the params dict and the "
+                    "optimizer state hold exactly those). To freeze it, set requires_grad=False before calling "
+                    "zf.functional(model) and build a new state from its params (restore the weights with "
+                    "zfunc.io.restore(..., strict=False) if you are resuming).")
+
+
+class OutsideItsBlock(torch.Tensor):
+    """What a sharded block's parameter is outside its block during a call (see `run_model_call`).
+
+    It reports the parameter's shape, dtype and device (code that only reads
+    ``model.dtype`` or ``model.device`` keeps working) and holds no data. When
+    code outside the block computes with it (a weight shared with a layer
+    outside the block; ``F.linear(h, model.blocks[0].weight)`` after the
+    blocks ran: DeepSpeed's "external parameter"), it is swapped for the full
+    parameter then and there (`ModelStructure.outside`, which the running
+    call's transform provides: `shard` gathers the unit, its gradient flows
+    back into the unit's reduction). Without such a provider (a use after the
+    call ended) it is a clear error.
+    """
+
+    @staticmethod
+    def __new__(cls, name: str, key: str, shape, dtype, device, structure: "ModelStructure"):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
+        t.param_name, t.key, t.structure = name, key, structure
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__" or func in _METADATA:  # shape, dtype, device, ...
+            return super().__torch_function__(func, types, args, kwargs)
+        found = _first_outside((args, kwargs))
+        resolve = found.structure.outside if found is not None else None
+        if resolve is None:
+            _refuse_outside(found, getattr(func, "__name__", str(func)))
+        args, kwargs = _swap_outside((args, kwargs), resolve)
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        _refuse_outside(_first_outside((args, kwargs or {})), func.__name__)
+
+    def __repr__(self) -> str:  # noqa: D105
+        return f"OutsideItsBlock({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+             torch.Tensor.element_size, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+def _first_outside(tree: Any) -> OutsideItsBlock | None:
+    if isinstance(tree, OutsideItsBlock):
+        return tree
+    if isinstance(tree, (list, tuple)):
+        return next((f for f in map(_first_outside, tree) if f is not None), None)
+    if isinstance(tree, dict):
+        return next((f for f in map(_first_outside, tree.values()) if f is not None), None)
+    return None
+
+
+def _swap_outside(tree: Any, resolve: Callable[[str], torch.Tensor]) -> Any:
+    if isinstance(tree, OutsideItsBlock):
+        return resolve(tree.key)
+    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
+        return tuple(_swap_outside(x, resolve) for x in tree)
+    if isinstance(tree, list):
+        return [_swap_outside(x, resolve) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _swap_outside(v, resolve) for k, v in tree.items()}
+    return tree
+
+
+def _refuse_outside(found: OutsideItsBlock | None, op: str):
+    name = found.param_name if found is not None else "a block parameter"
+    raise RuntimeError(
+        f"{name} is used outside its block ({op}) when no step is gathering it: under shard(stage=2|3) a block's "
+        "parameters exist whole only while a step runs the model (or under a torch.func transform, where they "
+        "cannot be gathered on demand). Compute with it inside the loss function (apply_fn's call), or keep the "
+        f"block in the root unit (shard(..., units=[...]) without {name.rpartition('.')[0]!r}).")
+
+
+# --------------------------------------------------------------------------
+# The plain implementation of the ``apply`` primitive.
+
+
+def run_model_call(call: ModelCall) -> Any:
+    """Run ``call``: the module with its params swapped in (what `torch.func.functional_call`
+    does, see `zfunc.reparametrize`), honouring block wrappers.
+
+    Names inside a wrapped block take their params from the block's body. Every
+    other name (a tied twin outside the block included) takes them from the
+    call; a name whose tensor in the call is only a shard
+    (``call.partial_keys``) gets an `OutsideItsBlock` placeholder outside its
+    block, which ``call.resolve_outside`` turns into the full parameter when
+    code there computes with it (rather than a read of the template module's
+    stale tensor).
+    """
+    model, structure = call.model, call.structure
+    if not call.block_wrappers and not call.params.keys() >= structure.keys:
+        missing = sorted(structure.keys - call.params.keys())
+        raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
+                         f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
+    prefixes = tuple(f"{name}." for name in call.block_wrappers)
+    ctx = current()
+    if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
+        where = f" under {ctx.stack.transforms[0]!r}" if ctx.stack.transforms else ""
+        check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
+                                where)
+    outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
+    if prefixes:
+        outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
+                             if key in call.params})
+    if call.partial_keys and not tracing():
+        # (A compiled step cannot trace the placeholders, a tensor subclass made per call: there a block's
+        # parameter used outside its block is not supported, see `zfunc.transforms.shard_compiled`.)
+        outer_params.update(structure.placeholders(call.partial_keys, call.params))
+    outer_params.update({name: t for name, t in call.constants.items() if not name.startswith(prefixes)})
+    # Inside a step or where gradients are taken (not for an inference call under no_grad, nor compiled);
+    # writes through `.data` need seeing where the model runs on copies or recomputes (`zfunc.data_access`).
+    watch = None
+    with structure.lock:
+        if (ctx is not None or torch.is_grad_enabled()) and not tracing():
+            copies = ctx is not None and (ctx.facts.compute_dtype is not None or ctx.facts.stage >= 3
+                                          or ctx.facts.recompute)
+            watch = ParamsWatch(see_data_writes=copies and structure.data_reads.should_watch())
+        outside, structure.outside = structure.outside, call.resolve_outside
+        outer_watch, structure.data_watch = structure.data_watch, watch
+        try:
+            if watch is None:
+                return _run_locked(call, model, outer_params)
+            with watch, watch.watching(outer_params):
+                out = _run_locked(call, model, outer_params)
+            structure.data_reads.record(watch)
+            return out
+        finally:
+            structure.outside, structure.data_watch = outside, outer_watch
+
+
+def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
+    _merge_aliased_blocks(call)
+    overrides = [_BlockOverride(call, name) for name in call.block_wrappers]
+    for override in overrides:
+        override.install()
+    try:
+        with swapped(model, outer_params, call.structure.slots):
+            return model(*call.args, **call.kwargs)
+    except RuntimeError as err:
+        if "mutate a captured Tensor" in str(err):
+            raise RuntimeError(
+                f"{type(model).__name__} updates a buffer in place during its forward (e.g. BatchNorm running "
+                "statistics). Inside zf.value_and_grad the step is a pure function and cannot mutate module "
+                "state: put such modules in eval mode, use track_running_stats=False, or a norm without "
+                "running statistics (LayerNorm, GroupNorm).") from err
+        raise
+    finally:
+        for override in overrides:
+            override.uninstall()
+
+
+def _merge_aliased_blocks(call: ModelCall) -> None:
+    """One module object under two block names (``ModuleList([a, b, a])``) gets one override: the
+    first name's wrappers, plus any kind of wrapper only the other names have."""
+    first: dict[int, str] = {}
+    for name in list(call.block_wrappers):
+        module = call.model.get_submodule(name)
+        owner = first.setdefault(id(module), name)
+        if owner == name:
+            continue
+        kinds = {kind for kind, _ in call.block_wrappers[owner]}
+        for kind, wrap in call.block_wrappers.pop(name):
+            if kind not in kinds:
+                call.block_wrappers[owner].append((kind, wrap))
+        if name in call.recompute_required:
+            call.recompute_required.discard(name)
+            call.recompute_required.add(owner)
+
+
+def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, structure: ModelStructure,
+                tied: bool = True) -> Any:
+    """The innermost body: the block's own ``forward`` with its params swapped in.
+
+    ``forward`` itself, not ``block(...)``: the parent's call of the block
+    already ran the block's hooks once (and a recompute in backward should
+    not run them again). ``tied``: whether the block holds a tensor under two
+    names; only then may swapping in need to re-tie (see `swapped`).
+    """
+    watch = structure.data_watch
+    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied), \
+            watch.watching(block_params) if watch is not None else contextlib.nullcontext():
+        return type(block).forward(block, *args, **kwargs)
+
+
+def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
+    return lambda block_params, *args, **kwargs: recompute(body, block_params, *args, **kwargs)
+
+
+class _BlockOverride:
+    """Routes a block's forward through its wrappers while a call runs.
+
+    The block's ``forward`` is replaced on the instance for the duration of
+    the call only. Inside the wrapped body the original forward must run, so
+    the override steps aside while its body runs (``_inside``); a recompute in
+    backward runs after the call has ended and meets the original forward.
+    """
+
+    def __init__(self, call: ModelCall, name: str) -> None:
+        self.call, self.name = call, name
+        self.block = call.model.get_submodule(name)
+        if isinstance(self.block, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
+                f"it would change nothing (its parameters would get no gradient). Name the blocks inside it "
+                f"instead (e.g. '{name}.0', '{name}.1', ...).")
+        self.param_names = call.block_param_names(name)
+        self.tied = call.structure.block_has_ties(name)
+        prefix = f"{name}."
+        self.constants = {n[len(prefix):]: t for n, t in call.constants.items() if n.startswith(prefix)}
+        wrappers = list(call.block_wrappers[name])
+        if name in call.recompute_required and not any(kind == "around" for kind, _ in wrappers):
+            wrappers.append(("around", _plain_recompute))
+        body: BlockBody = lambda bp, *a, **kw: self._original(bp, a, kw)  # noqa: E731
+        for kind in ("materialize", "around"):
+            for k, wrap in wrappers:
+                if k == kind:
+                    body = wrap(name, body)
+        self.body = body
+        self._inside = False
+
+    def _original(self, block_params, args, kwargs):
+        was_inside, self._inside = self._inside, True
+        try:
+            if self.constants:
+                block_params = {**block_params, **self.constants}
+            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied)
+        finally:
+            self._inside = was_inside
+
+    def forward(self, *args, **kwargs):
+        if self._inside:  # the body is running the module itself
+            return type(self.block).forward(self.block, *args, **kwargs)
+        block_params = {local: self.call.params[key] for local, key in self.param_names.items()}
+        if tracing() or not self.call.recomputed(self.name):
+            return self.body(block_params, *args, **kwargs)
+        before = self._module_state()
+        out = self.body(block_params, *args, **kwargs)
+        changed = [name for name, mark in self._module_state().items() if before.get(name) != mark]
+        if changed:
+            raise RuntimeError(
+                f"block {self.name!r} changes {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} (a buffer "
+                "or frozen parameter, in place or by assignment) during its forward, and it is recomputed in "
+                "backward (checkpoint, or shard(stage=3, reshard='recompute')): the recompute would change it a "
+                "second time and compute the gradients from the changed value, so the result would silently "
+                "differ from eager PyTorch. Leave this block out of the recompute (checkpoint(step, "
+                "modules=[...]) without it; shard's reshard='release'), or keep such updates out of forward "
+                "(e.g. update the buffer in the step, outside the model).")
+        return out
+
+    def _module_state(self) -> dict[str, tuple[int, int]]:
+        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given."""
+        tensors = dict(self.block.named_buffers())
+        tensors.update(self.constants)
+        tensors.update((n, p) for n, p in self.block.named_parameters() if not p.requires_grad)
+        return {name: (id(t), t._version) for name, t in tensors.items()}
+
+    def install(self) -> None:
+        self.block.forward = self.forward
+
+    def uninstall(self) -> None:
+        self.block.__dict__.pop("forward", None)
+        # self.body ends in self._original: a reference cycle that would keep this call (and the
+        # params it was given) alive until the next gc. Recomputes still in flight hold their
+        # own reference to the body.
+        self.body = None
+
+
