@@ -3,7 +3,7 @@
 # "new" is this working tree's zfunc, "base" the zfunc package in $BASE. Make the baseline with
 #   mkdir -p .baseline/base && git archive <commit> zfunc | tar -x -C .baseline/base
 # and carry .baseline (and .whl) to the device. Optional: the NCCL equivalence first (EQ seconds, 0: skip).
-#   EQ=200 ROUNDS=2 C=zfunc-s1,zfunc-s3 bash benchmarks/ab_run.sh
+#   EQ=200 ROUNDS=2 C=zfunc-s1,zfunc-s3 NPROC=1 bash benchmarks/ab_run.sh   (NPROC: GPUs, one rank each)
 # Logs and JSON go to $OUT (ab_<new|base>_<round>.*, equiv.log).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for tree in new base; do
     if [ $tree = new ]; then P=$ROOT; else P=$BASE; fi
     echo "== round $round $tree"
-    PYTHONPATH=$P:$SITE timeout "${AB:-110}" torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "${MODEL:-medium}" \
+    PYTHONPATH=$P:$SITE timeout "${AB:-110}" torchrun --nproc-per-node "${NPROC:-1}" benchmarks/gpt_zero.py --model "${MODEL:-medium}" \
       --steps "${STEPS:-20}" --contenders "${C:-zfunc-s1,zfunc-s3}" --json "$OUT/ab_${tree}_${round}.json" \
       > "$OUT/ab_${tree}_${round}.log" 2>&1
     grep -E "^(floor|zfunc|fsdp|ds-)" "$OUT/ab_${tree}_${round}.log"

@@ -56,7 +56,8 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
     the weights with them. ``allow_nonfinite=True`` returns them instead. Under
     fp16 loss scaling the scaler handles such steps (it skips them), and under
     torch.func transforms or torch.compile the loss is not read on the host.
-    The check reads one number on the host per call, after backward.
+    The check reads one number on the host per forward, once the forward has
+    made the loss and before its backward is issued.
 
     Under transforms the same call may run differently (accumulated over
     micro-batches, with a loss scale, on parameter shards); its meaning does
@@ -66,10 +67,17 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
         raise TypeError(f"value_and_grad takes a function, got {type(fn).__name__}")
 
     @functools.wraps(fn)
-    def value_and_grad_fn(params, *args, **kwargs):
-        out = dispatch("value_and_grad", plain_value_and_grad, fn, params, args, kwargs, has_aux)
-        _refuse_nonfinite_loss(out[0][0] if has_aux else out[0], allow_nonfinite)
+    def checked_fn(params, *args, **kwargs):
+        # Checked as soon as the forward has made the loss, before its backward is issued: the host waits for
+        # the forward only, then issues backward and the update while the GPU runs backward. (Checked after
+        # backward, the GPU would wait for the update's launches; under `accumulate`, each micro-batch.)
+        out = fn(params, *args, **kwargs)
+        _refuse_nonfinite_loss(split_loss(out, has_aux)[0], allow_nonfinite)
         return out
+
+    @functools.wraps(fn)
+    def value_and_grad_fn(params, *args, **kwargs):
+        return dispatch("value_and_grad", plain_value_and_grad, checked_fn, params, args, kwargs, has_aux)
 
     return value_and_grad_fn
 
