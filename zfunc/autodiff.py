@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from zfunc.interpret import current, dispatch, gradients_ready, psum
+from zfunc.interpret import LossCheck, current, dispatch, gradients_ready, psum
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
@@ -83,7 +83,12 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
 
 
 def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
-    """Raise on every rank if the loss is NaN or infinite on any (see `value_and_grad`)."""
+    """Raise on every rank if the loss is NaN or infinite on any (see `value_and_grad`).
+
+    On a GPU inside a step the count is copied to the host behind an event and read when the update is
+    about to be issued (`zfunc.interpret.LossCheck`): the host waits for the forward that made the loss at
+    most, never for the backward, so it keeps issuing work ahead of the GPU.
+    """
     ctx = current()
     if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
         return
@@ -92,14 +97,13 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
     # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code
     # may say): every rank then makes the same collectives, whatever each decides.
     bad = psum((~torch.isfinite(loss.detach())).to(torch.float32))  # under shard: on how many ranks
-    if not allow and bad.item():
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
-        ranks = f" on {int(bad.item())} rank(s)" if ctx is not None and ctx.facts.stage else ""
-        raise FloatingPointError(
-            f"value_and_grad: the loss is {loss.item()}{ranks}{where}. The step stops here, before any update: "
-            "the state it was given is unchanged and can be stepped again. Look for the cause (a batch with "
-            "NaN or inf values, a log or division of zero, a learning rate that made the weights diverge); to "
-            "differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its gradients are NaN).")
+    if allow:
+        return
+    check = LossCheck(bad, loss.detach(), ctx)
+    if ctx is None or bad.device.type != "cuda":
+        check.raise_if_nonfinite()
+    else:
+        ctx.loss_checks.append(check)
 
 
 def grad(fn: Callable, has_aux: bool = False) -> Callable:

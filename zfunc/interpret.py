@@ -149,6 +149,14 @@ class StepContext:
         self.facts = stack.facts
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
+        self.loss_checks: list[LossCheck] = []  # losses to read before the update (`zfunc.autodiff`)
+
+    def finish_loss_checks(self) -> None:
+        """Raise if a loss this step made was NaN or infinite (see `LossCheck`); called before the update."""
+        checks, self.loss_checks = self.loss_checks, []
+        for check in checks:
+            check.raise_if_nonfinite()
+
 
     def of(self, transform: Transform) -> Any:
         """``transform``'s per-call scratch."""
@@ -156,6 +164,38 @@ class StepContext:
             return self.scratch[id(transform)]
         except KeyError:
             raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
+
+
+class LossCheck:
+    """Whether a loss was NaN or infinite (on how many ranks: ``count`` is summed over them), readable on
+    the host without waiting for more than the forward that made it: on a GPU the count is copied to
+    page-locked memory behind an event, and reading waits for that event only."""
+
+    def __init__(self, count: torch.Tensor, loss: torch.Tensor, ctx: StepContext | None) -> None:
+        self.loss, self.where = loss, ctx
+        if count.device.type == "cuda":
+            self.count = torch.empty((), dtype=count.dtype, pin_memory=True)
+            self.count.copy_(count, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.count, self.ready = count, None
+
+    def raise_if_nonfinite(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+        bad = int(self.count.item())
+        if not bad:
+            return
+        ctx = self.where
+        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+        ranks = f" on {bad} rank(s)" if ctx is not None and ctx.facts.stage else ""
+        raise FloatingPointError(
+            f"value_and_grad: the loss is {self.loss.item()}{ranks}{where}. The step stops here, before any "
+            "update: the state it was given is unchanged and can be stepped again. Look for the cause (a batch "
+            "with NaN or inf values, a log or division of zero, a learning rate that made the weights "
+            "diverge); to differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its "
+            "gradients are NaN).")
 
 
 _CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
@@ -323,6 +363,7 @@ class Transform:
             check_copies(state, self)
             try:
                 out = self._run(ctx, state, batch)
+                ctx.finish_loss_checks()  # (a step that took gradients without an update still reports)
             except BaseException:
                 if ctx.state_consumed:
                     consume(state, f"{self!r}, which failed after it began updating it in place")

@@ -107,6 +107,9 @@ class TrainState:
         Returns:
           The new state.
         """
+        ctx = current()
+        if ctx is not None:
+            ctx.finish_loss_checks()  # a NaN loss stops the step here, before the update writes anything
         return dispatch("apply_gradients", plain_apply_gradients, self, grads, UpdateRequest()).state
 
 
