@@ -103,7 +103,7 @@ def _one_case(kind: str, stage: int, group):
 GATHER_OR_REDUCE = "gathering the parameters of unit|reducing gradients"
 # Where a rank waits for one that left: the exchange that compares the units each rank ran (once per
 # backward), or the call header every zfunc call starts with (`zfunc.dist.announce`).
-UNITS = "comparing the units each rank ran"
+SUM = "a sum over ranks"
 STARTING = "starting a step of shard"
 DIFFERENT = "the ranks are in different zfunc calls"
 HANGS = {
@@ -111,8 +111,9 @@ HANGS = {
     # where the ranks met in different calls or ran different units, the mismatch (at once)
     ("raises-before-forward", 3, 2): "gathering the parameters of unit ''",
     ("raises-before-forward", 3, 4): "gathering the parameters of unit ''",
-    ("raises-after-forward", 2, 2): UNITS,
-    ("raises-after-forward", 3, 2): UNITS,
+    # (after its forward, a rank first meets the others in zf.value_and_grad's count of non-finite losses)
+    ("raises-after-forward", 2, 2): SUM,
+    ("raises-after-forward", 3, 2): SUM,
     ("skips-the-step", 1, 2): STARTING,
     ("skips-the-step", 1, 4): STARTING,
     ("skips-the-step", 3, 2): STARTING,
