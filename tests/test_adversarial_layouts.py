@@ -242,3 +242,70 @@ def test_a_copied_or_restored_mixed_precision_state_still_steps(how, tmp_path):
     got, _ = stepped(other, BATCH)
     want, _ = stepped(state, BATCH)
     assert_same(zf.gather(stepped, got), zf.gather(stepped, want))
+
+
+# -- not a state at all ------------------------------------------------------------
+# What people hand a step in place of its state, each with its usual cause: the error says what it got and
+# that cause, before anything else looks at it (issue 26: README's `state = zf.io.restore(...)` met
+# "this state is not in mixed_precision's layout: call step.init", which sent the user the wrong way).
+
+
+def _load_report():
+    return zf.io.LoadReport(source="model_dir", loaded={}, tied={}, copies=(), missing=(), unexpected=(),
+                            dropped=(), casts={}, mode="ranges", bytes_read=0)
+
+
+# name -> (the value given, given the state and its params; the words of the refusal)
+NOT_STATES = {
+    "restore-pair": (lambda s, p: (s, {"batch": 3}), ["tuple of 2", r"\(TrainState, dict\)", "zf.io.restore returns",
+                                                     r"state, client_state = zf.io.restore"]),
+    "step-pair": (lambda s, p: (s, {"loss": torch.tensor(1.0)}), ["tuple of 2", r"returns \(state, metrics\)",
+                                                                  r"state, metrics = step\(state, batch\)"]),
+    "load-pretrained-pair": (lambda s, p: (s, _load_report()), ["tuple of 2", "load_pretrained returns",
+                                                                r"state, report = "]),
+    "params": (lambda s, p: p, ["dict of 21 tensors", "embed.weight", "parameters",
+                                r"step.init\(zf.TrainState.create\(params, opt\)\)"]),
+    "torch-load-checkpoint": (lambda s, p: {"model": p, "optimizer": {}}, ["dict with keys", "'model'", "torch.load",
+                                                                           "zf.io.restore"]),
+    "module": (lambda s, p: tiny_lm_step()[0], [r"nn.Module \(TinyLM\)", r"zf.functional\(model\)",
+                                                 "TrainState.create"]),
+    "none": (lambda s, p: None, ["got None", "returned nothing", r"\(new_state, metrics\)"]),
+}
+ENTRY_POINTS = {  # where a state goes: (the call, the name it is refused under)
+    "step": (lambda stepped, x: stepped(x, BATCH), r"shard\(\.\.\.\) takes a zf.TrainState"),
+    "init": (lambda stepped, x: stepped.init(x), r"shard\(\.\.\.\).init takes a zf.TrainState"),
+    "gather": (lambda stepped, x: stepped.gather(x), r"shard\(\.\.\.\).gather takes a zf.TrainState"),
+    "save": (lambda stepped, x: zf.io.save("never-written", x), r"zf.io.save\(dir, state\) takes"),
+}
+
+
+@outcome("clear")
+@pytest.mark.parametrize("given", list(NOT_STATES))
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_a_value_that_is_not_a_state_is_named_with_its_likely_cause(given, entry):
+    _, params, step = tiny_lm_step()
+    stepped = STACKS["shard3-bf16"](step)
+    state = stepped.init(zf.TrainState.create(copies(params), zf.optim.adamw(1e-2)))
+    make, words = NOT_STATES[given]
+    call, refused_as = ENTRY_POINTS[entry]
+    clear_error(lambda: call(stepped, make(state, params)), refused_as, *words, exc=TypeError)
+
+
+@outcome("clear")
+@pytest.mark.parametrize("stack", ["bf16", "shard3-bf16", "plain"])
+def test_the_pair_restore_returns_given_to_a_step_says_to_unpack_it(stack, tmp_path):
+    """The README's old resume line, run as written: the whole (state, client_state) pair assigned to one
+    name, then stepped (a transformed step) or gathered (a plain one: zf.gather) or saved again."""
+    stepped, state = _state_of(stack)
+    state, _ = stepped(state, BATCH)
+    zf.io.save(tmp_path / "ck", state, client_state={"batch": 1})
+    state = zf.io.restore(tmp_path / "ck", like=_state_of(stack)[1])
+    unpack = ["tuple of 2", "zf.io.restore returns", r"state, client_state = zf.io.restore\(dir, like=state\)"]
+    if stack != "plain":
+        clear_error(lambda: stepped(state, BATCH), *unpack, exc=TypeError)
+    clear_error(lambda: zf.gather(stepped, state), *unpack, exc=TypeError)
+    clear_error(lambda: zf.io.save(tmp_path / "ck", state), *unpack, exc=TypeError)
+    clear_error(lambda: zf.io.restore(tmp_path / "ck", like=state), "restore", *unpack, exc=TypeError)
+    state, client = state  # unpacked as the error says, it resumes
+    assert client == {"batch": 1}
+    stepped(state, BATCH)

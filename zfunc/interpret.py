@@ -68,6 +68,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 
 from zfunc.materialize import is_meta, materialized
+from zfunc.state_check import require_state
 from zfunc.tree import tree_leaves
 
 PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
@@ -356,6 +357,7 @@ class Transform:
         ctx = _CONTEXT.get()
         if ctx is not None and self in ctx.stack:  # called by the transform around it
             return self._run(ctx, state, batch)
+        require_state(state, f"{self.name}(...)")  # (a pair from zf.io.restore, params, a model: said first)
         ctx = StepContext(self.stack)
         token = _CONTEXT.set(ctx)
         try:
@@ -437,6 +439,7 @@ class Transform:
         Returns:
           The state in this stack's layout (shards, host placement, masters).
         """
+        require_state(state, f"{self.name}(...).init")
         check_alive(state, f"{self.name}(...).init")
         if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
             out = self.init_meta(state, init_device)
@@ -470,6 +473,7 @@ class Transform:
         Returns:
           A dict of fresh tensors: later steps do not change them.
         """
+        require_state(state, f"{self.name}(...).gather")
         check_alive(state, f"{self.name}(...).gather")
         return fresh_copies(self._gather(state), state)
 
@@ -652,6 +656,7 @@ def init(step: Callable, state, *, init_device="cpu"):
     the model was built on the meta device)."""
     if isinstance(step, Transform):
         return step.init(state, init_device=init_device)
+    require_state(state, "zf.init")
     if getattr(state, "materializer", None) is not None and is_meta(tree_leaves(state.params)):
         return materialized(state, init_device)
     return state
@@ -661,5 +666,6 @@ def gather(step: Callable, state) -> dict[str, torch.Tensor]:
     """``step.gather(state)`` for a transform, a copy of ``state.params`` for a plain step."""
     if isinstance(step, Transform):
         return step.gather(state)
+    require_state(state, "zf.gather")
     check_alive(state, "zf.gather")
     return {k: v.clone() for k, v in state.params.items()}

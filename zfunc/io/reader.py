@@ -41,6 +41,7 @@ from zfunc.io.manifest import MAX_MANIFEST, read_latest, read_manifest, recorded
 from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.io.writer import step_name
 from zfunc.state import TrainState
+from zfunc.state_check import refusal
 from zfunc.transforms.mixed_precision import MixedPrecisionState, describe_policy_codes
 from zfunc.transforms.shard_layout import ShardLayout
 from zfunc.tree import describe_mismatch
@@ -64,7 +65,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     by definition and is always allowed.)
     """
     if not isinstance(like, TrainState):
-        raise TypeError(f"restore(like=...) takes a zf.TrainState made by step.init(...), got {type(like).__name__}")
+        raise TypeError(refusal(like, "zf.io.restore(dir, like=...)"))
     g = dist.Group.resolve(group)
     layout = layout_of(like)
     step_dir = error = None

@@ -39,6 +39,7 @@ from zfunc.io.format import (
 from zfunc.io.manifest import rank_file
 from zfunc.io.ranks import exchange, io_seconds, raise_if_failed
 from zfunc.state import TrainState
+from zfunc.state_check import refusal
 from zfunc.transforms.shard_layout import ShardLayout
 
 PART_BYTES = 512 << 20  # bytes per rank file before a new part starts
@@ -82,7 +83,7 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     `zfunc.dist.CollectiveError` when some rank never calls `save`.
     """
     if not isinstance(state, TrainState):
-        raise TypeError(f"save() takes a zf.TrainState, got {type(state).__name__}")
+        raise TypeError(refusal(state, "zf.io.save(dir, state)"))
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     directory = Path(directory)
