@@ -21,13 +21,16 @@ stand-ins below, the only difference from the text:
 A block that is not meant to run (another library's API shown for comparison, a sketch
 with placeholders) is preceded by ``<!-- not run: why -->``; the reason is required,
 and such blocks should stay rare. A block importing an optional dependency that is not
-installed (`OPTIONAL`: transformers, lightning, ...) skips its section. One test per
+installed (`OPTIONAL`: transformers, lightning, ...), or naming a stand-in that needs
+one, skips its section; nothing else skips. One test per
 section holding python blocks (``README.md::Coming from DeepSpeed``); a section runs
 the file's earlier sections first (once per session), and is skipped if one of them
 failed (that one's own test fails).
 
-To add a section whose blocks use a name nothing defines: define it in the doc, or add a
-stand-in here saying what it is. ```bash blocks are checked as far as is cheap: every
+To add a section (e.g. "Coming from Hugging Face", "Coming from Lightning"): write it; its
+blocks are found and run. A name they use that nothing defines: define it in the doc, or
+add a stand-in here saying what it is ("SECTION::name" for one that holds in that section
+only and replaces an earlier section's, such as the README's ``model``, a GPT). ```bash blocks are checked as far as is cheap: every
 ``zfunc`` command parses with the CLI's parser, ``zfunc launch`` ones run with
 ``--dry-run`` (printing the torchrun command, starting nothing; where the doc shows the
 output as ``# `` lines after the command, it must match), every ``torchrun`` command
@@ -75,7 +78,9 @@ def _loader(run):
     return batches
 
 
-# What a block names -> (what the test gives it, how it is built from the file's run).
+# What a block names -> (what the test gives it, how it is built from the file's run). A key "SECTION::name" holds
+# in that section only (SECTION: its heading's text) and replaces what earlier sections defined, e.g.
+# "Coming from Hugging Face::model" for a Hugging Face model where the README's first section built a GPT.
 STAND_INS = {
     "GPT": ("examples.gpt.GPT, the repository's small GPT (tied embedding, a ModuleList of blocks)",
             lambda run: _gpt_classes()[0]),
@@ -154,7 +159,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.path.relative_to(ROOT)}:{self.line}"
+        path = self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path
+        return f"{path}:{self.line}"
 
 
 def read_blocks(path: Path) -> list[Block]:
@@ -245,10 +251,16 @@ class DocRun:
             (workdir / name).write_text(text())
         (workdir / "nvme").mkdir()
 
-    def given(self, name: str):
-        if name not in self.built:
-            self.built[name] = STAND_INS[name][1](self)
-        return self.built[name]
+    def given(self, key: str):
+        """The stand-in `STAND_INS[key]` (built once per file; a missing optional dependency skips)."""
+        if key not in self.built:
+            try:
+                self.built[key] = STAND_INS[key][1](self)
+            except ModuleNotFoundError as e:
+                if e.name and e.name.split(".")[0] in OPTIONAL.values():
+                    raise SectionSkipped(f"the stand-in {key!r} needs {e.name}, not installed") from e
+                raise
+        return self.built[key]
 
     def run_through(self, section: str) -> None:
         """Run every section up to ``section``; raise what ``section`` raised (a skip included)."""
@@ -273,6 +285,12 @@ class DocRun:
     def _run_section(self, section: str) -> None:
         blocks = [b for b in read_blocks(self.path)
                   if b.lang == "python" and b.not_run is None and b.section == section]
+        # The section's own stand-ins ("SECTION::name") replace what earlier sections defined, from its start.
+        named = set().union(*(free_names(ast.parse(b.text)) for b in blocks))
+        for key in STAND_INS:
+            scope, _, name = key.rpartition("::")
+            if scope == section and name in named:
+                self.namespace[name] = self.given(key)
         for block in blocks:
             source = block.text
             for old, (_, new) in REWRITES.items():
@@ -369,10 +387,11 @@ def test_every_rewrite_and_stand_in_is_still_used():
     text = "".join(b.text for b in python)
     for old in REWRITES:
         assert old in text, f"REWRITES[{old!r}] occurs in no block: remove it"
-    used = set().union(*(free_names(ast.parse(b.text)) for b in python))
     files = "".join(b.text for path in DOCS for b in read_blocks(path))
-    for name in STAND_INS:
-        assert name in used, f"STAND_INS[{name!r}]: no block uses it: remove it"
+    for key in STAND_INS:
+        scope, _, name = key.rpartition("::")
+        used = set().union(*(free_names(ast.parse(b.text)) for b in python if not scope or b.section == scope))
+        assert name in used, f"STAND_INS[{key!r}]: no block {'of ' + scope + ' ' if scope else ''}uses it: remove it"
     for name in FILES:
         assert name in files, f"FILES[{name!r}]: no block names it: remove it"
 
@@ -391,6 +410,33 @@ def test_a_block_is_marked_only_when_its_mark_sits_right_before_it(tmp_path):
     assert missing_optional(ast.parse("from zfunc.hf import Trainer\nimport os\n")) == (
         [] if importlib.util.find_spec("transformers") else ["transformers"])
     assert missing_optional(ast.parse("import surely_not_a_module_zfunc\n")) == []  # (not optional: it fails)
+
+
+def test_new_sections_run_in_order_and_skip_only_for_a_missing_optional_dependency(tmp_path, monkeypatch):
+    """What a section added later gets: it is found and run after the earlier ones, in their namespace; its own
+    stand-ins replace earlier definitions; it is skipped when it imports a missing optional package, and only
+    then; a section after a failed one is skipped (the failed one's test fails)."""
+    doc = tmp_path / "new.md"
+    doc.write_text("intro\n\n## First\n```python\nmodel = 'the first section\\'s'\nseen = [model]\n```\n"
+                   "## Coming from Elsewhere\n```python\nseen.append(model)\n```\n"
+                   "## Needs a package\n```python\nimport zfunc_surely_missing_pkg.sub\nseen.append('ran')\n```\n"
+                   "## After it\n```python\nseen.append(len(loader))\n```\n"
+                   "## Broken\n```python\nraise RuntimeError('boom')\n```\n## Later\n```python\nseen.clear()\n```\n")
+    monkeypatch.setitem(OPTIONAL, "zfunc_surely_missing_pkg", "zfunc_surely_missing_pkg")
+    monkeypatch.setitem(STAND_INS, "Coming from Elsewhere::model", ("a section's own", lambda run: "its own"))
+    (tmp_path / "run").mkdir()
+    run = DocRun(doc, tmp_path / "run")
+    assert python_sections(doc) == ["First", "Coming from Elsewhere", "Needs a package", "After it", "Broken", "Later"]
+    run.run_through("Coming from Elsewhere")
+    with pytest.raises(pytest.skip.Exception, match="zfunc_surely_missing_pkg"):
+        run.run_through("Needs a package")
+    run.run_through("After it")
+    assert run.namespace["seen"] == ["the first section's", "its own", BATCHES]
+    with pytest.raises(RuntimeError, match="boom"):
+        run.run_through("Broken")
+    with pytest.raises(pytest.skip.Exception, match="Broken"):
+        run.run_through("Later")
+    assert run.namespace["seen"]  # (Later never ran)
 
 
 # -- bash blocks ---------------------------------------------------------------------
