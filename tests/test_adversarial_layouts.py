@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zfunc as zf
-from tests.adversarial import assert_same, clear_error, copies, outcome, single_thread  # noqa: F401 (a fixture)
+from tests.adversarial import assert_same, clear_error, copies, outcome, says, single_thread  # noqa: F401 (a fixture)
 from tests.models import make_batch, tiny_lm_step
 from zfunc.transforms import checkpoint, mixed_precision, offload, shard
 
@@ -309,3 +309,17 @@ def test_the_pair_restore_returns_given_to_a_step_says_to_unpack_it(stack, tmp_p
     state, client = state  # unpacked as the error says, it resumes
     assert client == {"batch": 1}
     stepped(state, BATCH)
+
+
+@outcome("clear")
+def test_a_compiled_step_given_the_pair_says_to_unpack_it():
+    """Under torch.compile(fullgraph=True) the refusal is what dynamo reports the trace raised."""
+    stepped, state = _state_of("bf16")
+    compiled = torch.compile(stepped, fullgraph=True)
+    with pytest.raises(Exception) as info:
+        compiled((state, {"batch": 1}), BATCH)
+    chain, e = [], info.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    says("\n".join(chain), "tuple of 2", "zf.io.restore returns", r"state, client_state = zf.io.restore")

@@ -384,6 +384,7 @@ class Transform:
         ctx = _TRACED.context
         if ctx is not None and self in ctx.stack:
             return self._run(ctx, state, batch)
+        require_state(state, f"{self.name}(...)")
         # A fresh Stack, not the cached ``self.stack``: filling that cache while tracing would be replayed
         # when the compiled step runs, and change what the next call's guards saw (`zfunc.compiled`).
         ctx = StepContext(Stack(self))
