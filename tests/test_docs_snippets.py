@@ -22,20 +22,22 @@ A block that is not meant to run (another library's API shown for comparison, a 
 with placeholders) is preceded by ``<!-- not run: why -->``; the reason is required,
 and such blocks should stay rare. A block importing an optional dependency that is not
 installed (`OPTIONAL`: transformers, lightning, ...), or naming a stand-in that needs
-one, skips its section; nothing else skips. One test per
-section holding python blocks (``README.md::Coming from DeepSpeed``); a section runs
-the file's earlier sections first (once per session), and is skipped if one of them
-failed (that one's own test fails).
+one, skips its section; nothing else skips.
 
-To add a section (e.g. "Coming from Hugging Face", "Coming from Lightning"): write it; its
-blocks are found and run. A name they use that nothing defines: define it in the doc, or
-add a stand-in here saying what it is ("SECTION::name" for one that holds in that section
-only and replaces an earlier section's, such as the README's ``model``, a GPT). ```bash blocks are checked as far as is cheap: every
-``zfunc`` command parses with the CLI's parser, ``zfunc launch`` ones run with
-``--dry-run`` (printing the torchrun command, starting nothing; where the doc shows the
-output as ``# `` lines after the command, it must match), every ``torchrun`` command
-parses with torchrun's own parser, and every ``python``/``torchrun`` command of
-``examples/NAME.py`` parses with that script's ``parse_args``.
+One test per section holding python blocks (``README.md::Coming from DeepSpeed``); a
+section runs the file's earlier sections first (once per session), and is skipped if
+one of them failed (that one's own test fails). To add a section (e.g. "Coming from
+Hugging Face", "Coming from Lightning"): write it; its blocks are found and run. A name
+they use that nothing defines: define it in the doc, or add a stand-in here saying what
+it is ("SECTION::name" for one that holds in that section only and replaces what an
+earlier section defined, such as the README's ``model``, a GPT).
+
+```bash blocks are checked as far as is cheap: every ``zfunc`` command parses with the
+CLI's parser, ``zfunc launch`` ones run with ``--dry-run`` (printing the torchrun
+command, starting nothing; where the doc shows the output as ``# `` lines after the
+command, it must match), every ``torchrun`` command parses with torchrun's own parser,
+and every ``python``/``torchrun`` command of ``examples/NAME.py`` parses with that
+script's ``parse_args``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import builtins
 import dataclasses
 import importlib
 import importlib.util
+import json
 import re
 import shlex
 import socket
@@ -117,7 +120,7 @@ DS_CONFIG = {
 
 # File name -> (what it is, its text), written into the directory a doc file's blocks run in.
 FILES = {
-    "ds_config.json": ("DS_CONFIG above", lambda: __import__("json").dumps(DS_CONFIG)),
+    "ds_config.json": ("DS_CONFIG above", lambda: json.dumps(DS_CONFIG)),
     "ds_config_zero2.json": ("transformers' ZeRO-2 config, full of \"auto\" (tests/data/deepspeed/hf_zero2.json)",
                              lambda: (DATA / "deepspeed" / "hf_zero2.json").read_text()),
     "ds_config_zero3.json": ("transformers' ZeRO-3 config, full of \"auto\" (tests/data/deepspeed/hf_zero3.json)",
@@ -139,8 +142,7 @@ ENVIRONMENT = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_S
 # An imported module (or a package of it) -> the distribution it needs; a block importing one that is missing
 # skips its section.
 OPTIONAL = {"transformers": "transformers", "accelerate": "accelerate", "lightning": "lightning",
-            "pytorch_lightning": "pytorch_lightning", "zfunc.hf": "transformers", "zfunc.lightning": "lightning",
-            "hjson": "hjson"}
+            "pytorch_lightning": "pytorch_lightning", "zfunc.hf": "transformers", "zfunc.lightning": "lightning"}
 
 NOT_RUN = re.compile(r"^<!--\s*not run:\s*(?P<why>.*?)\s*-->$")
 
