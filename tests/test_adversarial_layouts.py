@@ -276,6 +276,8 @@ ENTRY_POINTS = {  # where a state goes: (the call, the name it is refused under)
     "init": (lambda stepped, x: stepped.init(x), r"shard\(\.\.\.\).init takes a zf.TrainState"),
     "gather": (lambda stepped, x: stepped.gather(x), r"shard\(\.\.\.\).gather takes a zf.TrainState"),
     "save": (lambda stepped, x: zf.io.save("never-written", x), r"zf.io.save\(dir, state\) takes"),
+    "load_pretrained": (lambda stepped, x: zf.io.load_pretrained("never-read", like=x),
+                        r"load_pretrained\(dir, like=\.\.\.\) takes"),
 }
 
 

@@ -78,6 +78,7 @@ from zfunc.io.hf_names import Allow, Plan, Rename, Target, module_names, resolve
 from zfunc.io.ranks import exchange, raise_if_failed
 from zfunc.materialize import Materializer, is_meta
 from zfunc.state import TrainState
+from zfunc.state_check import refusal
 from zfunc.tree import tree_leaves
 
 __all__ = ["LoadReport", "export_hf", "load_pretrained"]
@@ -173,7 +174,7 @@ def load_pretrained(directory: str | os.PathLike, like: TrainState, *, step: Cal
         problem listed), or a rank failed to read it.
     """
     if not isinstance(like, TrainState):
-        raise TypeError(f"load_pretrained(like=...) takes a zf.TrainState, got {type(like).__name__}")
+        raise TypeError(refusal(like, "zfunc.io.load_pretrained(dir, like=...)"))
     check_alive(like, "load_pretrained")
     g = dist.Group.resolve(group)
     meta = like.materializer is not None and is_meta(tree_leaves(like.params))
