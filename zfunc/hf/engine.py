@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import zfunc as zf
-from zfunc.deepspeed import DeepSpeedConfigError, DeepSpeedSetup, TransformCall, from_config
+from zfunc.deepspeed import DeepSpeedConfigError, DeepSpeedSetup, TransformCall, from_config, read_config
 from zfunc.deepspeed.auto import TrainingArgs
 from zfunc.deepspeed.stack import ORDER, build_stack
 from zfunc.hf.optim import hf_schedule, optimizer_from_args, with_schedule
@@ -82,14 +82,19 @@ class Engine:
         self.calls = calls
         model = trainer.model
         self.apply_fn, params = zf.functional(model)
-        self.step = build_stack(calls, self._train_step)
-        self.eval_step = build_stack(calls, self._eval_step)
+        self.step = build_stack(calls, self.train_step)
+        self.forward_step = build_stack(calls, self.eval_step)
         self.state = zf.init(self.step, zf.TrainState.create(params, optimizer))
         del params
         # The state holds the trainable weights now (sharded, cast, offloaded): the module's own copy
         # would be one more full fp32 model per rank. `gather_into_model` gives it values back.
         self.apply_fn.release_module_params()
         self.model_has_weights = False
+
+    def __str__(self) -> str:
+        k = self.trainer.args.gradient_accumulation_steps
+        window = f" (one update per window of {k} micro-batches)" if k > 1 else ""
+        return "\n".join([f"stack:      {self.step!r}{window}", *str(self.setup).splitlines()[1:]])
 
     # -- the steps ---------------------------------------------------------------------------
     def _loss(self, params, micro: MicroBatch):
@@ -103,7 +108,7 @@ class Engine:
             scaled = (trainer.model_accepts_loss_kwargs and n is not None) or trainer.compute_loss_func is not None
         return loss if scaled else loss / micro.window_size
 
-    def _train_step(self, state, window: list[MicroBatch]):
+    def train_step(self, state, window: list[MicroBatch]):
         loss_and_grad = zf.value_and_grad(self._loss)
         total_loss = grads = None
         for micro in window:  # in order, summed as backward passes sum into .grad
@@ -116,7 +121,7 @@ class Engine:
             norm = norm / scaler.loss_scale
         return state.apply_gradients(grads), {"loss": total_loss, "grad_norm": norm}
 
-    def _eval_step(self, state, call):
+    def eval_step(self, state, call):
         args, kwargs = call
         return state, {"outputs": self.apply_fn(state.params, *args, **kwargs)}
 
@@ -128,7 +133,7 @@ class Engine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model on the current weights (no update), through the stack: stage 3 gathers block by
         block as in training. Every rank must call it as often as the others (its collectives)."""
-        _, metrics = self.eval_step(self.state, (args, kwargs))
+        _, metrics = self.forward_step(self.state, (args, kwargs))
         return metrics["outputs"]
 
     def learning_rate(self) -> float:
@@ -163,7 +168,7 @@ def build_engine(trainer, num_training_steps: int) -> Engine:
         raise ValueError(f"zfunc.hf runs one process per GPU (torchrun); this process sees {args.n_gpu} GPUs and "
                          "transformers would use DataParallel. Launch with torchrun --nproc-per-node")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    setup = from_config(args.zfunc_deepspeed_config(), trainer.model,
+    setup = from_config(completed_config(args.zfunc_deepspeed_config()), trainer.model,
                         training_args=training_args_for_auto(args, num_training_steps), world_size=world)
     _check_batch(setup, args)
     calls = tuple(c for c in setup.transforms if c.name != "accumulate")
@@ -182,6 +187,20 @@ def build_engine(trainer, num_training_steps: int) -> Engine:
     else:
         optimizer = setup.optimizer
     return Engine(trainer, setup, calls, optimizer)
+
+
+def completed_config(config) -> dict:
+    """The config with what transformers and accelerate add when it leaves it out: the micro-batch size
+    and accumulation steps (from the arguments: ``"auto"``), and the precision the arguments ask for when
+    the config has neither an ``fp16`` nor a ``bf16`` section."""
+    config = read_config(config)
+    if "train_micro_batch_size_per_gpu" not in config and "train_batch_size" not in config:
+        config["train_micro_batch_size_per_gpu"] = "auto"
+    if "gradient_accumulation_steps" not in config and "train_batch_size" not in config:
+        config["gradient_accumulation_steps"] = "auto"
+    if not any(k in config for k in ("fp16", "bf16", "bfloat16")):
+        config["fp16"], config["bf16"] = {"enabled": "auto"}, {"enabled": "auto"}
+    return config
 
 
 def _place_model(model: nn.Module, device: torch.device, sharded: bool) -> None:

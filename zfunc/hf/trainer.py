@@ -105,7 +105,7 @@ class Trainer(transformers.Trainer):
     def create_scheduler(self, num_training_steps: int, optimizer=None, *args: Any, **kwargs: Any):
         if self.engine is None:
             self.engine = build_engine(self, num_training_steps)
-            logger.info("zfunc: %s", self.engine.setup)
+            logger.info("zfunc: %s", self.engine)
         if self.lr_scheduler is None:
             self.lr_scheduler = StateSchedule(self.engine.learning_rate, self.optimizer)
         return self.lr_scheduler
