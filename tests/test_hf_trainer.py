@@ -53,7 +53,7 @@ _PLAIN: dict = {}
 
 def plain(world: int, tmp_path_factory, **kwargs):
     """transformers' Trainer (DDP at 2 ranks), computed once per configuration."""
-    key = (world, tuple(sorted(kwargs.items())))
+    key = (world, repr(sorted(kwargs.items())))
     if key not in _PLAIN:
         _PLAIN[key] = _run(world, "plain", tmp_path_factory.mktemp("plain"), **kwargs)
     return _PLAIN[key]
