@@ -53,6 +53,35 @@ def common_args(out_dir: str, **overrides: Any) -> dict:
     return args
 
 
+class CountingCallback:
+    """Counts the Trainer's callback events (built lazily: transformers is imported in the ranks)."""
+
+    @staticmethod
+    def make():
+        from transformers import TrainerCallback
+
+        class Counting(TrainerCallback):
+            def __init__(self):
+                self.counts: dict[str, int] = {}
+
+            def _count(self, name):
+                self.counts[name] = self.counts.get(name, 0) + 1
+
+            def on_step_end(self, args, state, control, **kw):
+                self._count("step_end")
+
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                self._count("pre_optimizer_step")
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                self._count("optimizer_step")
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                self._count("log")
+
+        return Counting()
+
+
 def train(kind: str, out_dir: str, *, n_data: int = 32, evaluate: bool = False, predict: bool = False,
           resume: Any = None, save_to: str | None = None, model_seed: int = 0, **overrides: Any) -> dict:
     """Train with ``kind`` "zfunc" (zfunc.hf) or "plain" (transformers); returns the final weights (fp32, by
@@ -66,12 +95,14 @@ def train(kind: str, out_dir: str, *, n_data: int = 32, evaluate: bool = False, 
     else:
         from transformers import Trainer, TrainingArguments
     args = TrainingArguments(**common_args(out_dir, **overrides))
-    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8])
+    counting = CountingCallback.make()
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:8], callbacks=[counting])
     trainer.train(resume_from_checkpoint=resume)
     result: dict[str, Any] = {
         "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "log": [dict(entry) for entry in trainer.state.log_history],
         "global_step": trainer.state.global_step,
+        "callbacks": dict(counting.counts),
     }
     if evaluate:
         result["eval"] = trainer.evaluate()

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+import transformers  # noqa: E402
 import transformers.trainer  # noqa: E402,F401 (imported once in the parent: every forked rank starts warm)
 
 from tests.hf_trainer_cases import dataset, tiny_gpt2, train  # noqa: E402
@@ -79,6 +80,7 @@ def test_weights_equal_plain_trainer(zero, world, tmp_path, tmp_path_factory):
         _assert_weights_close(got[rank]["weights"], want[0]["weights"])
     _assert_logs_close(got[0], want[0])
     assert got[0]["global_step"] == 4
+    assert got[0]["callbacks"] == want[0]["callbacks"]  # every callback event, as often
     # the tied head is one tensor in the trained model, as in transformers'
     assert torch.equal(got[0]["weights"]["lm_head.weight"], got[0]["weights"]["transformer.wte.weight"])
 
@@ -183,6 +185,9 @@ def test_opting_out_of_gathering_leaves_the_model_empty(tmp_path):
     {"lr_scheduler_type": "cosine", "warmup_steps": 2},
     {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 0.5},
     {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-4}},
+    # transformers' activation checkpointing becomes zfunc's checkpoint transform (recompute: the same values)
+    {"activation_checkpointing" if hasattr(transformers.TrainingArguments, "activation_checkpointing")
+     else "gradient_checkpointing": True},
     # a short last window: 14 micro-batches per epoch of 4 => windows of 4, 4, 4, 2 (loss normalized per window)
     {"num_train_epochs": 1, "max_steps": -1, "gradient_accumulation_steps": 4, "n_data": 28},
 ])
@@ -246,3 +251,16 @@ def test_torch_optimizers_and_plain_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="zfunc runs the update itself"):
         Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]),
                 train_dataset=dataset(4), optimizers=(opt, None))
+
+
+def test_bf16_trains_with_zfuncs_mixed_precision(tmp_path, tmp_path_factory):
+    """bf16=True: zfunc's mixed_precision (bf16 compute, fp32 master), not accelerate's autocast; the logged
+    losses follow fp32 training within bf16 rounding, and the trained weights come back in fp32."""
+    want = plain(1, tmp_path_factory)[0]
+    got = _run(1, "zfunc", tmp_path, zfunc_stage=2, bf16=True)[0]
+    assert "mixed_precision(train_step, policy='bf16')" in got["setup"].splitlines()[0], got["setup"]
+    assert "'auto' -> bf16 = True" in got["setup"]
+    for a, b in zip(_train_logs(got), _train_logs(want)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2), (a, b)
+        assert a["learning_rate"] == pytest.approx(b["learning_rate"], rel=1e-6)
+    assert all(w.dtype == torch.float32 for w in got["weights"].values() if w.is_floating_point())

@@ -76,8 +76,9 @@ class Engine:
     ``setup`` the `DeepSpeedSetup` (``print(engine.setup)`` shows the stack and the report)."""
 
     def __init__(self, trainer, setup: DeepSpeedSetup, calls: tuple[TransformCall, ...],
-                 optimizer: zf.optim.GradientTransformation) -> None:
+                 optimizer: zf.optim.GradientTransformation, optimizer_source: str = "") -> None:
         self.trainer = trainer
+        self.optimizer_source = optimizer_source
         self.setup = setup
         self.calls = calls
         model = trainer.model
@@ -94,7 +95,11 @@ class Engine:
     def __str__(self) -> str:
         k = self.trainer.args.gradient_accumulation_steps
         window = f" (one update per window of {k} micro-batches)" if k > 1 else ""
-        return "\n".join([f"stack:      {self.step!r}{window}", *str(self.setup).splitlines()[1:]])
+        lines = str(self.setup).splitlines()[1:]
+        if self.optimizer_source:
+            lines = [f"optimizer:  {self.optimizer_source}" if line.startswith("optimizer:") else line
+                     for line in lines]
+        return "\n".join([f"stack:      {self.step!r}{window}", *lines])
 
     # -- the steps ---------------------------------------------------------------------------
     def _loss(self, params, micro: MicroBatch):
@@ -179,14 +184,19 @@ def build_engine(trainer, num_training_steps: int) -> Engine:
         calls = (*calls, TransformCall("shard", {"stage": 1}, {"stage": "(several ranks, no zero_optimization)"}))
     _place_model(trainer.model, args.device, sharded=any(c.name == "shard" for c in calls))
     decay = trainer.get_decay_parameter_names(trainer.model)
+    kind = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     if setup.optimizer is None:
         schedule = hf_schedule(args, num_training_steps)
         optimizer = optimizer_from_args(args, schedule, decay, setup.gradient_clipping)
+        source = (f"zf.optim.adamw from the arguments (optim={getattr(args.optim, 'value', args.optim)!r}), "
+                  f"lr_scheduler_type={kind!r}" + (f", clipped to {setup.gradient_clipping:g}"
+                                                    if setup.gradient_clipping > 0 else ""))
     elif setup.schedule is None:
         optimizer = with_schedule(setup.optimizer, hf_schedule(args, num_training_steps))
+        source = f"the config's, with the arguments' lr_scheduler_type={kind!r}"
     else:
-        optimizer = setup.optimizer
-    return Engine(trainer, setup, calls, optimizer)
+        optimizer, source = setup.optimizer, ""
+    return Engine(trainer, setup, calls, optimizer, source)
 
 
 def completed_config(config) -> dict:
