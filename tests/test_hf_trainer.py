@@ -183,7 +183,9 @@ def test_opting_out_of_gathering_leaves_the_model_empty(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     {"lr_scheduler_type": "cosine", "warmup_steps": 2},
-    {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": 0.5},
+    # a warmup as a share of the run: warmup_steps < 1 in transformers 5, warmup_ratio in 4.x
+    {"lr_scheduler_type": "constant_with_warmup",
+     **({"warmup_steps": 0.5} if int(transformers.__version__.split(".")[0]) >= 5 else {"warmup_ratio": 0.5})},
     {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": 1e-4}},
     # transformers' activation checkpointing becomes zfunc's checkpoint transform (recompute: the same values)
     {"activation_checkpointing" if hasattr(transformers.TrainingArguments, "activation_checkpointing")

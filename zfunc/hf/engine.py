@@ -177,6 +177,10 @@ def build_engine(trainer, num_training_steps: int) -> Engine:
                         training_args=training_args_for_auto(args, num_training_steps), world_size=world)
     _check_batch(setup, args)
     calls = tuple(c for c in setup.transforms if c.name != "accumulate")
+    if args.zfunc_recompute and getattr(getattr(trainer.model, "config", None), "use_cache", False):
+        # A key/value cache cannot be recomputed (its update would replay); transformers turns it off too
+        # when it checkpoints activations.
+        trainer.model.config.use_cache = False
     if args.zfunc_recompute and not any(c.name == "checkpoint" for c in calls):
         calls = tuple(sorted((*calls, TransformCall("checkpoint", {}, {})), key=lambda c: ORDER.index(c.name)))
     if world > 1 and not any(c.name == "shard" for c in calls):
