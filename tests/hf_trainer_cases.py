@@ -45,10 +45,11 @@ def dataset(n: int = 32, seed: int = 1) -> list[dict[str, torch.Tensor]]:
 
 
 def common_args(out_dir: str, **overrides: Any) -> dict:
-    args = dict(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
-                learning_rate=3e-3, weight_decay=0.1, warmup_steps=1, lr_scheduler_type="linear",
-                max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
-                disable_tqdm=True, seed=0, data_seed=0, dataloader_num_workers=0)
+    args = {"output_dir": out_dir, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+            "max_steps": 4, "learning_rate": 3e-3, "weight_decay": 0.1, "warmup_steps": 1,
+            "lr_scheduler_type": "linear", "max_grad_norm": 0.5, "logging_steps": 1, "report_to": [],
+            "use_cpu": True, "save_strategy": "no", "disable_tqdm": True, "seed": 0, "data_seed": 0,
+            "dataloader_num_workers": 0}
     args.update(overrides)
     return args
 

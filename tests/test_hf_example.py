@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from examples.hf_trainer_token_classification import main  # noqa: E402
-from zfunc.testing import run_distributed  # noqa: E402
+from examples.hf_trainer_token_classification import main
+from zfunc.testing import run_distributed
 
 
 @pytest.mark.slow

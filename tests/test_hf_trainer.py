@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -17,11 +18,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import transformers  # noqa: E402
-import transformers.trainer  # noqa: E402,F401 (imported once in the parent: every forked rank starts warm)
+import transformers
+import transformers.trainer
 
-from tests.hf_trainer_cases import dataset, tiny_gpt2, train  # noqa: E402
-from zfunc.testing import run_distributed  # noqa: E402
+from tests.hf_trainer_cases import dataset, tiny_gpt2, train
+from zfunc.testing import run_distributed
 
 TIMEOUT = 300
 
@@ -34,7 +35,7 @@ def _assert_weights_close(got: dict, want: dict, **tol) -> None:
     assert got.keys() == want.keys()
     for name, w in want.items():
         torch.testing.assert_close(got[name], w, msg=lambda m, name=name: f"{name}: {m}", **(tol or
-                                   dict(rtol=1e-5, atol=1e-6)))
+                                   {"rtol": 1e-5, "atol": 1e-6}))
 
 
 def _train_logs(result: dict) -> list[dict]:
@@ -119,16 +120,14 @@ def test_deepspeed_config_with_auto_values(tmp_path, tmp_path_factory):
 def test_resume_is_exact_and_rotation_keeps_the_limit(tmp_path):
     """4 updates in one go == 2 updates, a checkpoint, and a resumed run of the last 2: bitwise. save_total_limit
     rotates the checkpoint-N directories (zfunc's state inside each)."""
-    kwargs = dict(zfunc_stage=3, zfunc_offload="optimizer", save_strategy="steps", save_steps=1,
-                  save_total_limit=2)
+    kwargs = {"zfunc_stage": 3, "zfunc_offload": "optimizer", "save_strategy": "steps", "save_steps": 1,
+              "save_total_limit": 2}
     whole = _run(2, "zfunc", tmp_path / "whole", **kwargs)
     assert sorted(os.listdir(tmp_path / "whole")) == ["checkpoint-3", "checkpoint-4"]
     assert os.path.isdir(tmp_path / "whole" / "checkpoint-4" / "zfunc")
     first = _run(2, "zfunc", tmp_path / "resumed", **{**kwargs, "max_steps": 4, "save_total_limit": None})
     # drop the later checkpoints, then resume from checkpoint-2 in fresh processes
     for step in (3, 4):
-        import shutil
-
         shutil.rmtree(tmp_path / "resumed" / f"checkpoint-{step}")
     resumed = _run(2, "zfunc", tmp_path / "resumed", resume=True, **{**kwargs, "save_total_limit": None})
     assert resumed[0]["global_step"] == 4

@@ -57,7 +57,7 @@ def hf_schedule(args, num_training_steps: int) -> TableSchedule:
     """The rate of each update under ``args.lr_scheduler_type`` (with ``get_warmup_steps`` and
     ``lr_scheduler_kwargs``), exactly as transformers' ``get_scheduler`` gives it: ``lr · λ(c)`` for
     updates ``c = 0 .. num_training_steps``."""
-    from transformers import get_scheduler  # noqa: PLC0415 (transformers is this package's dependency)
+    from transformers import get_scheduler
 
     kind = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     if kind in ("reduce_lr_on_plateau", "greedy"):
@@ -127,7 +127,7 @@ class WindowOptimizer(torch.optim.Optimizer):
         self._run = run
 
     @torch.no_grad()
-    def step(self, closure=None):  # noqa: D102 (torch's signature)
+    def step(self, closure=None):
         if closure is not None:
             raise ValueError("zfunc.hf's optimizer takes no closure: the update runs inside zfunc's step")
         self._run()

@@ -76,7 +76,6 @@ class Trainer(transformers.Trainer):
         self._window: list[MicroBatch] = []
         self._pending_loss: torch.Tensor | None = None  # the windows' losses not yet added to the Trainer's
         self._grad_norm: torch.Tensor | None = None
-        self._resumed_from: str | None = None
         super().__init__(model, args, **kwargs)
 
     # -- placement and wrapping ----------------------------------------------------------------
@@ -197,7 +196,7 @@ class Trainer(transformers.Trainer):
             return self._restore(resume_from_checkpoint)
         # Before training starts the state does not exist yet: `_load_optimizer_and_scheduler` restores
         # it (weights included) once `create_scheduler` has built it.
-        self._resumed_from = resume_from_checkpoint
+        return None
 
     def _load_best_model(self, *args: Any, **kwargs: Any) -> None:
         if self.engine is None:
