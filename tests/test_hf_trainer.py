@@ -163,6 +163,7 @@ def test_save_model_is_hugging_face_format(tmp_path):
     assert (out / "training_args.bin").exists()
 
 
+@pytest.mark.slow
 def test_opting_out_of_gathering_leaves_the_model_empty(tmp_path):
     def run():
         out = train("zfunc", str(tmp_path / "run"), zfunc_stage=3, zfunc_gather_model=False,
@@ -199,6 +200,7 @@ def test_schedules_and_accumulation_match(overrides, tmp_path, tmp_path_factory)
     _assert_logs_close(got, want)
 
 
+@pytest.mark.slow
 def test_load_best_model_at_end(tmp_path):
     from safetensors.torch import load_file
 
@@ -254,6 +256,7 @@ def test_torch_optimizers_and_plain_arguments_are_refused(tmp_path):
                 train_dataset=dataset(4), optimizers=(opt, None))
 
 
+@pytest.mark.slow
 def test_bf16_trains_with_zfuncs_mixed_precision(tmp_path, tmp_path_factory):
     """bf16=True: zfunc's mixed_precision (bf16 compute, fp32 master), not accelerate's autocast; the logged
     losses follow fp32 training within bf16 rounding, and the trained weights come back in fp32."""
