@@ -322,7 +322,10 @@ class ZfuncStrategy(DDPStrategy):
         return self._evaluate("predict_step", args, kwargs)
 
     def _evaluate(self, method: str, args: tuple, kwargs: dict) -> Any:
-        _, metrics = self._eval_step(self._state, (method, args, kwargs))
+        # Not in inference mode (Lightning's default for validate/test/predict): zfunc's transforms check the
+        # version counters of the tensors they hand the model, which inference tensors do not have.
+        with torch.inference_mode(False), torch.no_grad():
+            _, metrics = self._eval_step(self._state, (method, args, kwargs))
         return metrics["output"]
 
     def on_train_end(self) -> None:
