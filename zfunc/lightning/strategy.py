@@ -309,6 +309,9 @@ class ZfuncStrategy(DDPStrategy):
                 "this accumulation window (a data loader without a length whose epoch ended early?): give the train "
                 "loader a length, or use accumulate_grad_batches=1")
         self._state, _ = window.result()
+        # The update happened: what torch's schedulers check before they step (else they warn that the
+        # scheduler stepped before the optimizer).
+        optimizer._opt_called = True
         self.precision_plugin._after_closure(model or self.lightning_module, optimizer)
         return result
 
