@@ -8,6 +8,7 @@ group Lightning finds already initialized, against ``strategy="ddp"``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import warnings
@@ -190,8 +191,12 @@ def test_epoch_scheduler_accumulation_and_clipping_equal_plain_lightning():
     assert_close(got, want)
 
 
-def test_config_dict_and_report():
+@pytest.mark.parametrize("as_file", [False, True])
+def test_deepspeed_config_and_report(as_file, tmp_path):
     cfg = {"zero_optimization": {"stage": 2, "overlap_comm": True}, "train_micro_batch_size_per_gpu": 8}
+    if as_file:
+        (tmp_path / "ds_config.json").write_text(json.dumps(cfg))
+        cfg = str(tmp_path / "ds_config.json")
     want, _, _ = fit("auto")
     got, t, _ = fit(ZfuncStrategy(config=cfg))
     assert_close(got, want)
@@ -288,10 +293,14 @@ def test_test_validate_predict_on_trained_weights(tmp_path):
 def test_convert_to_one_fp32_file(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    got, _, module = fit("zfunc_stage_3_offload", enable_checkpointing=True,
+    got, t, module = fit("zfunc_stage_3_offload", enable_checkpointing=True,
                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    t.save_checkpoint(tmp_path / "after_fit.ckpt")   # after fit too, as with DeepSpeed
     out = tmp_path / "model.pt"
+    zl.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "after_fit.ckpt", tmp_path / "after_fit.pt")
     zl.convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "ckpt" / "last.ckpt", out)
+    after_fit = torch.load(tmp_path / "after_fit.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(after_fit[k], got[k]) for k in after_fit)
     loaded = torch.load(out, weights_only=True)
     trainable = {k for k, p in module.named_parameters() if p.requires_grad}
     assert set(loaded["state_dict"]) == trainable and loaded["global_step"] == 8
@@ -309,6 +318,26 @@ class Manual(Tiny):
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
+
+
+class Skipper(Tiny):
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+class BetaEditor(Tiny):
+    """Changes Adam's betas by hand after two updates: torch would follow, zfunc's fixed betas cannot."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if batch_idx == 2:
+            self.optimizers().param_groups[0]["betas"] = (0.5, 0.9)
+
+
+def test_refused_during_training():
+    for module, match in ((Skipper(), "skipping a step is not supported"), (BetaEditor(), "changed betas")):
+        t = trainer("zfunc_stage_2")
+        with pytest.raises(ValueError, match=match):
+            t.fit(module, loader(), loader(2))
 
 
 class Clipper(Tiny):

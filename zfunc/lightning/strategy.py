@@ -353,8 +353,9 @@ class ZfuncStrategy(DDPStrategy):
             self._window = None
 
     def teardown(self) -> None:
+        # The state is kept (until the next setup) so that trainer.save_checkpoint works after fit, as with
+        # DeepSpeed's engine.
         self._close_window()
-        self._reset_run()
         super().teardown()
 
     # -- checkpoints -----------------------------------------------------------------------------------
