@@ -152,8 +152,8 @@ def fit(strategy, *, module_kw=None, devices: int = 1, batches: int = 8, **kw):
 
 def assert_close(got: dict, want: dict, atol: float = 2e-6) -> None:
     assert got.keys() == want.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+    for k, value in want.items():
+        torch.testing.assert_close(got[k], value, rtol=1e-5, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # -- equivalence at one process -------------------------------------------------------------------------
@@ -188,6 +188,19 @@ def test_epoch_scheduler_accumulation_and_clipping_equal_plain_lightning():
     want, ref, _ = fit("auto", **kw)
     got, t, _ = fit(ZfuncStrategy(stage=3, offload_optimizer=True), **kw)
     assert t.global_step == ref.global_step == 6
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("strategy, stack", [
+    (lambda: ZfuncStrategy(stage=3, activation_checkpointing=True), "policy='recompute'), stage=3)"),
+    (lambda: ZfuncStrategy(stage=2, cpu_checkpointing=True), "policy='offload_inputs'"),
+])
+def test_activation_checkpointing_and_validation_inside_a_window(strategy, stack):
+    """Validation every 2 batches runs while a window of 3 micro-batches is half fed (its step waiting)."""
+    kw = dict(accumulate_grad_batches=3, val_check_interval=2, max_epochs=2)
+    want, _, _ = fit("auto", **kw)
+    got, t, _ = fit(strategy(), **kw)
+    assert stack in t.strategy.report and t.global_step == 6
     assert_close(got, want)
 
 
@@ -272,8 +285,8 @@ def test_resume_from_last_checkpoint_is_exact(tmp_path):
 def test_test_validate_predict_on_trained_weights(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    got, t, module = fit("zfunc_stage_3", enable_checkpointing=True,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+    _, t, module = fit("zfunc_stage_3", enable_checkpointing=True,
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)])
     x, y = loader(2).dataset.tensors
     with torch.no_grad():
         plain_loss = F.cross_entropy(module(x), y)

@@ -159,8 +159,8 @@ def map_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
     b1, b2 = (float(b) for b in first["betas"])
     if not decoupled:
         tx = optim.adam(rate.schedule, b1=b1, b2=b2, eps=first["eps"], weight_decay=first["weight_decay"])
-        return tx, rate, f"{name} -> zf.optim.adam(b1={b1}, b2={b2}, eps={first['eps']}, " \
-                         f"weight_decay={first['weight_decay']})"
+        what = f"zf.optim.adam(b1={b1}, b2={b2}, eps={first['eps']}, weight_decay={first['weight_decay']})"
+        return tx, rate, f"{name} -> {what}"
     decays = {float(g["weight_decay"]) for g in groups} - {0.0}
     if len(decays) > 1:
         raise OptimizerMappingError(

@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -80,7 +81,7 @@ class ZfuncStrategy(DDPStrategy):
                  cluster_environment: Any = None, precision_plugin: Any = None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  remote_device: str | None = None, load_full_weights: bool = False,
-                 exclude_frozen_parameters: bool = False, logging_level: int = logging.WARN,
+                 exclude_frozen_parameters: bool = False, logging_level: int = logging.WARNING,
                  activation_checkpointing: bool = False, gather_on_fit_end: bool = True,
                  **deepspeed_args: Any) -> None:
         unknown = sorted(set(deepspeed_args) - set(DEFAULTS))
@@ -208,11 +209,10 @@ class ZfuncStrategy(DDPStrategy):
         cfg = fill_from_trainer(self.config, accumulate_grad_batches=trainer.accumulate_grad_batches,
                                 gradient_clip_val=trainer.gradient_clip_val, micro_batch_size=micro_batch_size,
                                 precision=self.precision_plugin.precision, loss_scale_args=self._loss_scale_args)
-        modules = None
         if self.activation_checkpointing and "activation_checkpointing" not in cfg:
+            # (The section's presence turns zfunc's checkpoint transform on: recompute the repeated blocks.)
             cfg["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False}
-        return from_config(cfg, self.lightning_module, world_size=max(self.world_size, 1),
-                           checkpoint_modules=modules)
+        return from_config(cfg, self.lightning_module, world_size=max(self.world_size, 1))
 
     def _report(self, optimizer_line: str) -> str:
         lines = [f"ZfuncStrategy: precision {self.precision_plugin.precision!r}, optimizer: {optimizer_line}",

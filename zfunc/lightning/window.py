@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 
-class WindowCancelled(Exception):  # noqa: N818 (not an error: the window was abandoned)
+class WindowCancelled(Exception):
     """Raised inside a window's step when Lightning stops before the window's last micro-batch."""
 
 
