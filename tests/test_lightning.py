@@ -59,7 +59,7 @@ class Tiny(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)   # (a collective from inside zfunc's step)
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -228,6 +228,7 @@ def _fit_on_rank(strategy: str, kw: dict):
     return got, t.global_step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zfunc_stage_1", "zfunc_stage_2", "zfunc_stage_3", "zfunc_stage_3_offload"])
 def test_two_processes_equal_ddp(name):
     kw = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -237,6 +238,31 @@ def test_two_processes_equal_ddp(name):
         assert w_steps == g_steps == 2   # 4 batches per rank, 2 per update
         assert_close(g, w)
     assert_close(got[1][0], got[0][0], atol=0)   # every rank ends with the same weights
+
+
+def _fit_and_resume_on_rank(directory: str):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0", WORLD_SIZE=str(dist.get_world_size()))
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    kw = dict(module_kw=dict(scheduler="warmup_cosine"), accumulate_grad_batches=2, devices=2)
+    want, _, _ = fit("zfunc_stage_3", max_epochs=2, **kw)
+    fit("zfunc_stage_3", max_epochs=1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)], **kw)
+    L.seed_everything(0, verbose=False)
+    module = Tiny(**kw.pop("module_kw"))
+    t = trainer("zfunc_stage_3", max_epochs=2, enable_checkpointing=True,
+                callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)], **kw)
+    t.fit(module, loader(), loader(2), ckpt_path="last")
+    return want, weights(module), t.global_step
+
+
+@pytest.mark.slow
+def test_two_processes_resume_exactly(tmp_path):
+    for want, got, steps in run_distributed(_fit_and_resume_on_rank, 2, str(tmp_path), timeout=300):
+        assert steps == 4
+        assert_close(got, want, atol=0)
 
 
 # -- precision -------------------------------------------------------------------------------------------
