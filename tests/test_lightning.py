@@ -87,6 +87,8 @@ class Tiny(L.LightningModule):
             opt = torch.optim.Adam(params, lr=self.lr, weight_decay=0.01, eps=1e-6)
         elif kind == "sgd":
             opt = torch.optim.SGD(params, lr=self.lr * 10, momentum=0.9, nesterov=True, weight_decay=0.01)
+        elif kind == "deepspeed_cpu_adam":
+            opt = DeepSpeedCPUAdam(params, lr=self.lr, weight_decay=0.1)
         elif kind == "rmsprop":
             opt = torch.optim.RMSprop(params, lr=self.lr)
         elif kind == "amsgrad":
@@ -99,6 +101,20 @@ class Tiny(L.LightningModule):
             raise AssertionError(kind)
         scheduler = _scheduler(self.scheduler_kind, opt)
         return opt if scheduler is None else {"optimizer": opt, "lr_scheduler": scheduler}
+
+
+class DeepSpeedCPUAdam(torch.optim.Optimizer):
+    """Stands in for deepspeed.ops.adam.DeepSpeedCPUAdam (DeepSpeed is not installed here): its arguments,
+    param-group keys and ``adam_w_mode`` attribute."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, adamw_mode=True):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "bias_correction": bias_correction, "amsgrad": amsgrad})
+        self.adam_w_mode = adamw_mode
+
+
+DeepSpeedCPUAdam.__module__ = "deepspeed.ops.adam.cpu_adam"
 
 
 def _scheduler(kind: str | None, opt):
@@ -169,6 +185,13 @@ def test_stages_equal_plain_lightning(name):
     start = weights(Tiny())
     assert any((got[k] - start[k]).abs().max() > 1e-3 for k in start), "training moved nothing"
     assert "deepspeed" not in name
+
+
+def test_deepspeed_cpu_adam_is_adamw():
+    want, _, _ = fit("auto", module_kw={"optimizer": "adamw"})
+    got, t, _ = fit("zfunc_stage_2_offload", module_kw={"optimizer": "deepspeed_cpu_adam"})
+    assert "deepspeed's DeepSpeedCPUAdam -> zf.optim.adamw" in t.strategy.report
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("module_kw", [dict(optimizer="adam"), dict(optimizer="sgd"),

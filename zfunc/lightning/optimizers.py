@@ -12,6 +12,8 @@ torch                                                   zfunc
 ``Adam(..., decoupled_weight_decay=True)``, ``AdamW``    ``zf.optim.adamw``; groups with ``weight_decay=0``
                                                         become its ``mask``
 ``SGD(lr, momentum, dampening, weight_decay, nesterov)``  ``zf.optim.sgd``
+DeepSpeed's ``DeepSpeedCPUAdam``, ``FusedAdam``        ``zf.optim.adamw`` (their default ``adamw_mode``), or
+                                                        ``zf.optim.adam`` with ``adamw_mode=False``
 ``amsgrad``, ``maximize``, other optimizers             refused, naming them
 ``foreach``, ``fused``, ``capturable``, ``differentiable``  ignored: how torch runs its update, not what it computes
 ======================================================  =====================================================
@@ -39,7 +41,11 @@ import torch
 from zfunc import optim
 
 # Group keys that change how torch runs an update but not the numbers it computes.
-_HOW_TORCH_RUNS = {"foreach", "fused", "capturable", "differentiable", "initial_lr", "lr", "params", "param_names"}
+_HOW_TORCH_RUNS = {"foreach", "fused", "capturable", "differentiable", "initial_lr", "lr", "params", "param_names",
+                   "bias_correction"}
+# DeepSpeed's Adam optimizers (mapped by name: deepspeed need not be installed) -> whether it is in AdamW mode.
+_DEEPSPEED_ADAMS = {"DeepSpeedCPUAdam": lambda opt: bool(getattr(opt, "adam_w_mode", getattr(opt, "adamw_mode", True))),
+                    "FusedAdam": lambda opt: bool(getattr(opt, "adam_w_mode", True))}
 _REFUSED_FLAGS = {"amsgrad": "AMSGrad (a running max of the second moment) is not in zfunc's Adam",
                   "maximize": "zfunc minimises; negate the loss instead"}
 
@@ -120,6 +126,13 @@ def map_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
     """
     kind = type(optimizer)
     name = f"torch.optim.{kind.__name__}" if kind.__module__.startswith("torch.optim") else kind.__qualname__
+    deepspeed_adam = kind.__module__.startswith("deepspeed.") and kind.__name__ in _DEEPSPEED_ADAMS
+    if deepspeed_adam:
+        name = f"deepspeed's {kind.__name__}"
+        if not all(g.get("bias_correction", True) for g in optimizer.param_groups):
+            raise OptimizerMappingError(f"{name}(bias_correction=False): zfunc's Adam always corrects the bias")
+        # DeepSpeed's CPU and fused Adam are AdamW unless built with adamw_mode / adam_w_mode=False.
+        kind = torch.optim.AdamW if _DEEPSPEED_ADAMS[kind.__name__](optimizer) else torch.optim.Adam
     if kind not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise OptimizerMappingError(
             f"configure_optimizers returned {name}, which zfunc cannot map: it maps torch.optim.Adam, AdamW and "
