@@ -156,11 +156,11 @@ class ZfuncStrategy(DDPStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         module = self.lightning_module
-        if not module.automatic_optimization:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and not module.automatic_optimization:
             raise ValueError("ZfuncStrategy needs automatic optimization: zfunc's step computes the gradients and "
                              "applies the update, so manual_backward/optimizer.step() in training_step cannot run "
                              "under it. Set self.automatic_optimization = True (return the loss from training_step)")
-        fitting = trainer.state.fn == TrainerFn.FITTING
         self._reset_run()
         self._apply_fn, params = zf.functional(module)
         if fitting:
