@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 
@@ -371,6 +372,31 @@ def test_convert_to_one_fp32_file(tmp_path):
     fresh = Tiny()
     fresh.load_state_dict(loaded["state_dict"], strict=False)
     assert_close(weights(fresh), got, atol=0)
+
+
+class MetaBuilt(Tiny):
+    """Built in configure_model on the meta device: zfunc gives it values unit by unit (reset_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.blocks, self.out = None, None, None
+
+    def configure_model(self):
+        if self.inp is None:
+            with torch.device("meta"):
+                self.inp, self.out = nn.Linear(5, 7), nn.Linear(7, 3)
+                self.blocks = nn.ModuleList([Block(7) for _ in range(2)])
+
+
+def test_module_built_on_meta_in_configure_model():
+    module = MetaBuilt()
+    trainer("zfunc_stage_3").fit(module, loader(), loader(2))
+    assert not any(p.is_meta for p in module.parameters())
+    x, y = loader(2).dataset.tensors
+    with torch.no_grad():
+        loss = F.cross_entropy(module(x), y).item()
+    assert math.isfinite(loss) and loss < math.log(3) + 0.5
+    assert trainer("zfunc_stage_2").test(module, loader(2), verbose=False)[0]["test_loss"] == pytest.approx(loss, abs=1e-5)
 
 
 # -- refused before training ----------------------------------------------------------------------------

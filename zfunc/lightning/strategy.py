@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as torch_dist
+from torch import nn
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
@@ -336,12 +337,26 @@ class ZfuncStrategy(DDPStrategy):
             self.write_weights_into_module()
 
     def write_weights_into_module(self) -> None:
-        """Copy the trained weights (full, on every rank) into the LightningModule's own parameters."""
+        """Copy the trained weights (full, on every rank) into the LightningModule's own parameters (new
+        parameters where the module was built on the meta device, tied weights tied again)."""
         full = zf.gather(self._step(1), self._state)
         module = self.lightning_module
+        made: dict[str, nn.Parameter] = {}
         with torch.no_grad():
-            for name, value in full.items():
-                module.get_parameter(name).copy_(value)
+            for name, key in self._apply_fn.aliases.items():
+                param = module.get_parameter(name)
+                if not param.is_meta:
+                    param.copy_(full[key])
+                    continue
+                if key not in made:
+                    made[key] = nn.Parameter(full[key].to(self.root_device), requires_grad=param.requires_grad)
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, made[key])
+
+    def model_to_device(self) -> None:
+        if any(t.is_meta for t in self.lightning_module.parameters()):
+            return   # built on the meta device (configure_model): step.init gives it values unit by unit
+        super().model_to_device()
 
     def on_exception(self, exception: BaseException) -> None:
         self._close_window()
