@@ -115,6 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", default="zfunc_stage_2", help="a zfunc_* strategy name, or 'auto' (default: %(default)s)")
     p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, bf16-true (default: %(default)s)")
+    p.add_argument("--accelerator", default="cpu", help="cpu or gpu (default: %(default)s)")
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--steps", type=int, default=150, help="optimizer updates (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -151,7 +152,8 @@ def main(argv=None) -> dict:
     callbacks = [printer]
     if args.ckpt_dir:
         callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True))
-    trainer = L.Trainer(strategy=args.strategy, precision=args.precision, accelerator="cpu", devices=args.devices,
+    trainer = L.Trainer(strategy=args.strategy, precision=args.precision, accelerator=args.accelerator,
+                        devices=args.devices,
                         max_epochs=1, accumulate_grad_batches=args.accumulate,
                         gradient_clip_val=args.clip or None, val_check_interval=1.0, limit_val_batches=4,
                         num_sanity_val_steps=0, logger=False, callbacks=callbacks,
@@ -167,7 +169,7 @@ def main(argv=None) -> dict:
     ok = all(math.isfinite(x) for x in losses) and last < first
     sample = ""
     if args.sample_chars and trainer.is_global_zero:
-        prompt = tok.encode("the ")[None]
+        prompt = tok.encode("the ")[None].to(model.device)
         with torch.no_grad():
             out = generate(lambda _, x: model.gpt(x), None, prompt, args.sample_chars, cfg.block_size, temperature=0)
         sample = tok.decode(out[0])
