@@ -188,6 +188,33 @@ def test_stages_equal_plain_lightning(name):
     assert "deepspeed" not in name
 
 
+class Tied(Tiny):
+    """A second head sharing ``out``'s weight (one parameter under two names, as a GPT's embedding and head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux = nn.Linear(7, 3)
+        self.aux.weight = self.out.weight
+
+    def forward(self, x):
+        h = self.inp(x) * self.gain
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h) + 0.5 * self.aux(torch.relu(h))
+
+
+@pytest.mark.parametrize("name", ["zfunc_stage_3", "zfunc_stage_2_offload"])
+def test_tied_weights_equal_plain_lightning(name):
+    results = []
+    for strategy in ("auto", name):
+        L.seed_everything(0, verbose=False)
+        module = Tied()
+        trainer(strategy).fit(module, loader(), loader(2))
+        assert module.aux.weight is module.out.weight
+        results.append(weights(module))
+    assert_close(results[1], results[0])
+
+
 def test_deepspeed_cpu_adam_is_adamw():
     want, _, _ = fit("auto", module_kw={"optimizer": "adamw"})
     got, t, _ = fit("zfunc_stage_2_offload", module_kw={"optimizer": "deepspeed_cpu_adam"})
