@@ -1,0 +1,176 @@
+"""Where `accumulate` sums micro-batch gradients: one accumulator per gradient call.
+
+A `GradAccumulator` holds the running sum ``Σ_i g_i`` of the k micro-batch
+gradients of one ``value_and_grad`` call, in the accumulation dtype (fp32
+by default when the model computes in bf16/fp16: `accumulation_dtype`), and
+hands their mean ``(1/k) Σ_i g_i`` to the update. Gradients reach it two ways:
+
+- **per unit, as backward makes them** (`add_unit`): under `shard` stages 2
+  and 3 each unit's reduced gradient (this rank's 1-D shard) is added as soon
+  as its reduction lands, into one flat buffer per unit *on the tier where the
+  unit's optimizer state lives* (the GPU, host memory for host units, host
+  memory for NVMe units too: the update pages their state in chunk by chunk).
+  The unit's full-size gradient is freed then, so no full-model gradient
+  buffer exists beside the accumulator; the update reads the buffer directly.
+- **as a tree, after each micro-batch** (`add_tree`): every other gradient
+  (the plain step, stage 1, a compiled step): into one flat buffer per device,
+  on the device backward made them on (Megatron's ``main_grad``).
+
+The first contribution to a buffer is a cast copy (``0 + g = g`` exactly),
+later ones ``acc += g`` in the accumulation dtype; the order of the sum is the
+order of the micro-batches, as before. When the accumulation dtype equals the
+gradients' (fp32 compute, or the ``dtype=torch.bfloat16`` opt-in) the first
+micro-batch's gradients are taken as the buffers themselves, as they always
+were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zfunc.transforms.shard_layout import UnitLayout, map_param_shaped
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def accumulation_dtype(requested: torch.dtype | None, compute: torch.dtype | None) -> torch.dtype | None:
+    """The dtype micro-batch gradients are summed in: ``requested`` if given, else fp32 when the
+    compute dtype is narrower than fp32, else the compute dtype (None: the gradients' own)."""
+    if requested is not None:
+        return requested
+    if compute is not None and compute.is_floating_point and torch.finfo(compute).bits < 32:
+        return torch.float32
+    return compute
+
+
+def narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether summing ``than`` gradients in ``dtype`` loses range or precision (fewer bits, or the
+    same bits laid out otherwise: fp16 and bf16 each lose what the other keeps)."""
+    a, b = torch.finfo(dtype), torch.finfo(than)
+    return a.bits < b.bits or (a.bits == b.bits and dtype != than)
+
+
+def optimizer_devices(state) -> dict[str, torch.device]:
+    """key -> where its optimizer state lives (the first param-shaped dict of the optimizer state, then
+    of the extras (an fp32 master), else the parameter itself): where its accumulator goes."""
+    keys = set(state.params)
+    found: dict[str, torch.device] = {}
+
+    def note(d: dict) -> dict:
+        for k, t in d.items():
+            found.setdefault(k, t.device)
+        return d
+
+    map_param_shaped(state.opt_state, keys, note)
+    map_param_shaped(dict(state.extras), keys, note)
+    for k, p in state.params.items():
+        found.setdefault(k, p.device)
+    return found
+
+
+class GradAccumulator:
+    """The running sum of one gradient call's micro-batch gradients (see the module docstring).
+
+    Args:
+      dtype: the accumulation dtype (None: each gradient's own).
+      places: returns key -> the device of its optimizer state (`optimizer_devices`), for per-unit
+        buffers; asked once, when the first unit arrives.
+    """
+
+    def __init__(self, dtype: torch.dtype | None, places: Callable[[], dict[str, torch.device]]) -> None:
+        self.dtype, self._places = dtype, places
+        self.places: dict[str, torch.device] | None = None
+        self.begin()
+
+    def begin(self) -> None:
+        """A gradient call starts: nothing summed yet."""
+        self.units: dict[str, dict[str, torch.Tensor]] = {}  # unit name -> per-key views of its flat buffer
+        self.flats: dict[str, torch.Tensor] = {}  # unit name -> its flat buffer
+        self.fed: set[str] = set()  # keys whose gradient arrives per unit
+        self.tree: dict[str, torch.Tensor] = {}  # the other keys' sums
+
+    def add_unit(self, unit: UnitLayout, rank: int, shard: torch.Tensor) -> None:
+        """``acc[unit] += shard`` (this rank's reduced flat shard), on the unit's optimizer tier.
+
+        Called during backward (on autograd's thread), once per unit and micro-batch; ``shard`` may be
+        freed by the caller afterwards.
+        """
+        flat = self.flats.get(unit.name)
+        if flat is None:
+            if self.places is None:
+                self.places = self._places()
+            device = self.places.get(unit.keys[0], shard.device)
+            dtype = self.dtype or shard.dtype
+            flat = self.flats[unit.name] = _empty(shard.numel(), dtype, device, like=shard)
+            flat.copy_(shard)
+            self.units[unit.name] = unit.shard_views(flat, rank)
+            self.fed.update(unit.keys)
+        elif flat.device == shard.device:
+            flat.add_(shard)
+        else:  # a host unit: the unit's gradient comes down in its own dtype, then is summed there
+            flat.add_(shard.to(flat.device))
+
+    def add_tree(self, grads: dict[str, torch.Tensor]) -> None:
+        """``acc[k] += grads[k]`` for every key not fed per unit."""
+        rest = {k: g for k, g in grads.items() if k not in self.fed}
+        if not rest:
+            return
+        fresh = {k: g for k, g in rest.items() if k not in self.tree}
+        if fresh:
+            self.tree.update(self._buffers(fresh))
+        for k, g in rest.items():
+            if k not in fresh:
+                self.tree[k].add_(g)
+
+    def _buffers(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The first contribution of ``grads``: themselves where they are already in the accumulation dtype
+        and writable (fresh from backward: ours), else one new flat buffer per device holding their cast."""
+        out: dict[str, torch.Tensor] = {}
+        cast: dict[torch.device, list[str]] = {}
+        for k, g in grads.items():
+            if (self.dtype in (None, g.dtype)) and not _broadcast(g):
+                out[k] = g
+            else:
+                cast.setdefault(g.device, []).append(k)
+        for device, keys in cast.items():
+            dtype = self.dtype or grads[keys[0]].dtype
+            flat = torch.empty(sum(grads[k].numel() for k in keys), dtype=dtype, device=device)
+            start = 0
+            for k in keys:
+                g = grads[k]
+                out[k] = flat[start:start + g.numel()].view(g.shape)
+                out[k].copy_(g)
+                start += g.numel()
+        return out
+
+    def mean(self, k: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``(1/k) Σ_i g_i``, keyed like ``like`` (the last micro-batch's gradients); the buffers are
+        handed over (divided in place), and the accumulator is empty again."""
+        out: dict[str, torch.Tensor] = {}
+        for views in self.units.values():
+            out.update(views)
+        out.update((key, t) for key, t in self.tree.items() if key not in out)
+        if k != 1:
+            for flat in self.flats.values():
+                flat.div_(k)
+            for key, t in self.tree.items():
+                if key not in self.fed:
+                    t.div_(k)
+        result = {key: out[key] for key in like}
+        self.begin()
+        return result
+
+
+def _empty(n: int, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
+    """A flat buffer on ``device`` (page-locked on the host of a CUDA machine, where the gradient comes from
+    a GPU: a copy engine then writes it without a staging copy)."""
+    pin = device.type == "cpu" and like.device.type == "cuda"
+    return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
+
+
+def _broadcast(g: torch.Tensor) -> bool:
+    """Whether ``g`` is a broadcast view (the gradient of ``p.sum()`` is ``ones`` expanded: every element one
+    memory location), which cannot be summed into in place."""
+    return any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape))
