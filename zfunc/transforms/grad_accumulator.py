@@ -26,7 +26,9 @@ were.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -90,6 +92,7 @@ class GradAccumulator:
         self.flats: dict[str, torch.Tensor] = {}  # unit name -> its flat buffer
         self.fed: set[str] = set()  # keys whose gradient arrives per unit
         self.tree: dict[str, torch.Tensor] = {}  # the other keys' sums
+        self.host_adder: HostAdder | None = None  # sums GPU gradients into host buffers off backward's thread
 
     def add_unit(self, unit: UnitLayout, rank: int, shard: torch.Tensor) -> None:
         """``acc[unit] += shard`` (this rank's reduced flat shard), on the unit's optimizer tier.
@@ -98,19 +101,23 @@ class GradAccumulator:
         freed by the caller afterwards.
         """
         flat = self.flats.get(unit.name)
-        if flat is None:
+        first = flat is None
+        if first:
             if self.places is None:
                 self.places = self._places()
             device = self.places.get(unit.keys[0], shard.device)
             dtype = self.dtype or shard.dtype
             flat = self.flats[unit.name] = _empty(shard.numel(), dtype, device, like=shard)
-            flat.copy_(shard)
             self.units[unit.name] = unit.shard_views(flat, rank)
             self.fed.update(unit.keys)
-        elif flat.device == shard.device:
-            flat.add_(shard)
-        else:  # a host unit: the unit's gradient comes down in its own dtype, then is summed there
-            flat.add_(shard.to(flat.device))
+        if flat.device == shard.device:
+            _sum_into(flat, shard, first)
+        elif shard.device.type == "cuda":  # a host unit: down on a copy stream, summed by a host thread
+            if self.host_adder is None:
+                self.host_adder = HostAdder(shard.device)
+            self.host_adder.add(flat, shard, first)
+        else:
+            _sum_into(flat, shard.to(flat.device), first)
 
     def add_tree(self, grads: dict[str, torch.Tensor]) -> None:
         """``acc[k] += grads[k]`` for every key not fed per unit."""
@@ -148,6 +155,8 @@ class GradAccumulator:
     def mean(self, k: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``(1/k) Σ_i g_i``, keyed like ``like`` (the last micro-batch's gradients); the buffers are
         handed over (divided in place), and the accumulator is empty again."""
+        if self.host_adder is not None:
+            self.host_adder.finish()
         out: dict[str, torch.Tensor] = {}
         for views in self.units.values():
             out.update(views)
@@ -161,6 +170,53 @@ class GradAccumulator:
         result = {key: out[key] for key in like}
         self.begin()
         return result
+
+
+class HostAdder:
+    """Sums gradients made on a GPU into host buffers without holding back the thread that runs backward
+    (which must keep issuing the next unit's kernels): each gradient is copied down on a copy stream into a
+    page-locked staging buffer, and one worker thread adds it into its buffer once the copy has landed, in
+    the order the gradients came (so every buffer's sum is taken in micro-batch order, as on the GPU). At
+    most ``depth`` gradients wait at once: backward then waits for the host to catch up."""
+
+    def __init__(self, device: torch.device, depth: int = 2) -> None:
+        self.device, self.depth = device, depth
+        self.stream = torch.cuda.Stream(device)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="zfunc-grad-accumulator")
+        self.pending: deque[Future] = deque()
+
+    def add(self, flat: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+        staging = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradient was made there
+        with torch.cuda.stream(self.stream):
+            staging.copy_(grad, non_blocking=True)
+            grad.record_stream(self.stream)  # the caller drops it now: its memory waits for this copy
+            landed = torch.cuda.Event()
+            landed.record(self.stream)
+
+        def accumulate() -> None:
+            landed.synchronize()
+            _sum_into(flat, staging, first)
+
+        while len(self.pending) >= self.depth:
+            self.pending.popleft().result()
+        self.pending.append(self.worker.submit(accumulate))
+
+    def finish(self) -> None:
+        """Wait until every gradient is summed (errors of the worker are raised here)."""
+        try:
+            while self.pending:
+                self.pending.popleft().result()
+        finally:
+            self.worker.shutdown(wait=True)
+
+
+def _sum_into(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+    """``acc ← grad`` (cast) for the first contribution, else ``acc ← acc + grad`` (in ``acc``'s dtype)."""
+    if first:
+        acc.copy_(grad)
+    else:
+        acc.add_(grad)
 
 
 def _empty(n: int, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
