@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import torch
 
+from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, current
 from zfunc.transforms.grad_accumulator import (
     FLOAT_DTYPES,
@@ -105,7 +106,9 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
         # Transforms that reduce gradients unit by unit during backward (`shard`) feed this accumulator as each
         # unit's reduction lands: it is this call's gradient sink.
         dtype = accumulation_dtype(self.dtype, ctx.facts.compute_dtype)
-        ctx.grad_sink = GradAccumulator(dtype, lambda: optimizer_devices(state))
+        # (Without shard, offload's update runs on the full gradients: summed on its tier, the host.)
+        on_tier = ctx.facts.stage == 0 and ctx.facts.optimizer_tier != "device" and not tracing()
+        ctx.grad_sink = GradAccumulator(dtype, lambda: optimizer_devices(state), tree_on_optimizer_tier=on_tier)
         return ctx.grad_sink
 
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):

@@ -13,8 +13,9 @@ hands their mean ``(1/k) Σ_i g_i`` to the update. Gradients reach it two ways:
   The unit's full-size gradient is freed then, so no full-model gradient
   buffer exists beside the accumulator; the update reads the buffer directly.
 - **as a tree, after each micro-batch** (`add_tree`): every other gradient
-  (the plain step, stage 1, a compiled step): into one flat buffer per device,
-  on the device backward made them on (Megatron's ``main_grad``).
+  (the plain step, stage 1, a compiled step): into one flat buffer per device
+  (Megatron's ``main_grad``), on the device backward made them on; under
+  `offload` without `shard`, in host memory where the optimizer state is.
 
 The first contribution to a buffer is a cast copy (``0 + g = g`` exactly),
 later ones ``acc += g`` in the accumulation dtype; the order of the sum is the
@@ -79,10 +80,13 @@ class GradAccumulator:
       dtype: the accumulation dtype (None: each gradient's own).
       places: returns key -> the device of its optimizer state (`optimizer_devices`), for per-unit
         buffers; asked once, when the first unit arrives.
+      tree_on_optimizer_tier: sum the gradients not fed per unit on their optimizer state's tier too
+        (the update runs on them where they are: `offload` without `shard`).
     """
 
-    def __init__(self, dtype: torch.dtype | None, places: Callable[[], dict[str, torch.device]]) -> None:
-        self.dtype, self._places = dtype, places
+    def __init__(self, dtype: torch.dtype | None, places: Callable[[], dict[str, torch.device]],
+                 tree_on_optimizer_tier: bool = False) -> None:
+        self.dtype, self._places, self.tree_on_optimizer_tier = dtype, places, tree_on_optimizer_tier
         self.places: dict[str, torch.device] | None = None
         self.begin()
 
@@ -110,14 +114,7 @@ class GradAccumulator:
             flat = self.flats[unit.name] = _empty(shard.numel(), dtype, device, like=shard)
             self.units[unit.name] = unit.shard_views(flat, rank)
             self.fed.update(unit.keys)
-        if flat.device == shard.device:
-            _sum_into(flat, shard, first)
-        elif shard.device.type == "cuda":  # a host unit: down on a copy stream, summed by a host thread
-            if self.host_adder is None:
-                self.host_adder = HostAdder(shard.device)
-            self.host_adder.add(flat, shard, first)
-        else:
-            _sum_into(flat, shard.to(flat.device), first)
+        self._sum(flat, shard, first)
 
     def add_tree(self, grads: dict[str, torch.Tensor]) -> None:
         """``acc[k] += grads[k]`` for every key not fed per unit."""
@@ -128,29 +125,48 @@ class GradAccumulator:
         if fresh:
             self.tree.update(self._buffers(fresh))
         for k, g in rest.items():
-            if k not in fresh:
-                self.tree[k].add_(g)
+            if self.tree[k] is not g:
+                self._sum(self.tree[k], g, first=k in fresh)
 
     def _buffers(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The first contribution of ``grads``: themselves where they are already in the accumulation dtype
-        and writable (fresh from backward: ours), else one new flat buffer per device holding their cast."""
+        """Where ``grads`` are summed: themselves where they are already in the accumulation dtype, where
+        the sum goes, and writable (fresh from backward: ours), else one new flat buffer per device."""
         out: dict[str, torch.Tensor] = {}
-        cast: dict[torch.device, list[str]] = {}
+        new: dict[torch.device, list[str]] = {}
         for k, g in grads.items():
-            if (self.dtype in (None, g.dtype)) and not _broadcast(g):
+            device = self._tree_place(k, g)
+            if self.dtype in (None, g.dtype) and device == g.device and not _broadcast(g):
                 out[k] = g
             else:
-                cast.setdefault(g.device, []).append(k)
-        for device, keys in cast.items():
+                new.setdefault(device, []).append(k)
+        for device, keys in new.items():
             dtype = self.dtype or grads[keys[0]].dtype
-            flat = torch.empty(sum(grads[k].numel() for k in keys), dtype=dtype, device=device)
+            flat = _empty(sum(grads[k].numel() for k in keys), dtype, device, like=grads[keys[0]])
             start = 0
             for k in keys:
                 g = grads[k]
                 out[k] = flat[start:start + g.numel()].view(g.shape)
-                out[k].copy_(g)
                 start += g.numel()
         return out
+
+    def _tree_place(self, key: str, grad: torch.Tensor) -> torch.device:
+        """Where a tree gradient is summed: on its optimizer state's tier when the update runs on full
+        gradients (``offload`` without ``shard``), else where backward made it (stage 1 reduces the sum)."""
+        if not self.tree_on_optimizer_tier:
+            return grad.device
+        if self.places is None:
+            self.places = self._places()
+        return self.places.get(key, grad.device)
+
+    def _sum(self, acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+        if acc.device == grad.device:
+            _sum_into(acc, grad, first)
+        elif grad.device.type == "cuda":  # into host memory: down on a copy stream, summed by a host thread
+            if self.host_adder is None:
+                self.host_adder = HostAdder(grad.device)
+            self.host_adder.add(acc, grad, first)
+        else:
+            _sum_into(acc, grad.to(acc.device), first)
 
     def mean(self, k: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``(1/k) Σ_i g_i``, keyed like ``like`` (the last micro-batch's gradients); the buffers are
