@@ -10,6 +10,8 @@ hands their mean ``(1/k) Σ_i g_i`` to the update. Gradients reach it two ways:
   as its reduction lands, into one flat buffer per unit *on the tier where the
   unit's optimizer state lives* (the GPU, host memory for host units, host
   memory for NVMe units too: the update pages their state in chunk by chunk).
+  A GPU gradient bound for the host goes down on a copy stream and is added
+  by a host thread (`HostAdder`), so backward keeps issuing kernels.
   The unit's full-size gradient is freed then, so no full-model gradient
   buffer exists beside the accumulator; the update reads the buffer directly.
 - **as a tree, after each micro-batch** (`add_tree`): every other gradient
@@ -111,7 +113,7 @@ class GradAccumulator:
                 self.places = self._places()
             device = self.places.get(unit.keys[0], shard.device)
             dtype = self.dtype or shard.dtype
-            flat = self.flats[unit.name] = _empty(shard.numel(), dtype, device, like=shard)
+            flat = self.flats[unit.name] = _empty(shard.numel(), dtype, device)
             self.units[unit.name] = unit.shard_views(flat, rank)
             self.fed.update(unit.keys)
         self._sum(flat, shard, first)
@@ -141,7 +143,7 @@ class GradAccumulator:
                 new.setdefault(device, []).append(k)
         for device, keys in new.items():
             dtype = self.dtype or grads[keys[0]].dtype
-            flat = _empty(sum(grads[k].numel() for k in keys), dtype, device, like=grads[keys[0]])
+            flat = _empty(sum(grads[k].numel() for k in keys), dtype, device)
             start = 0
             for k in keys:
                 g = grads[k]
@@ -235,11 +237,11 @@ def _sum_into(acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
         acc.add_(grad)
 
 
-def _empty(n: int, dtype: torch.dtype, device: torch.device, like: torch.Tensor) -> torch.Tensor:
-    """A flat buffer on ``device`` (page-locked on the host of a CUDA machine, where the gradient comes from
-    a GPU: a copy engine then writes it without a staging copy)."""
-    pin = device.type == "cpu" and like.device.type == "cuda"
-    return torch.empty(n, dtype=dtype, device=device, pin_memory=pin)
+def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat buffer of ``n`` elements on ``device``. Host buffers are plain pageable memory, exactly their
+    size: only the staging buffers a copy engine writes are page-locked (`HostAdder`); torch's page-locked
+    cache would round every buffer up to a power of two (up to twice the accumulator)."""
+    return torch.empty(n, dtype=dtype, device=device)
 
 
 def _broadcast(g: torch.Tensor) -> bool:
