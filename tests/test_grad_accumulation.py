@@ -141,3 +141,25 @@ def test_fp32_accumulation_by_default_and_bf16_opt_in_dtypes():
         stacked(state, data())
         assert seen[-1] == {want}, (dtype, seen[-1])
     assert repr(accumulate(step, 2, dtype=torch.bfloat16)) == "accumulate(train_step, micro_batches=2, dtype=torch.bfloat16)"
+
+
+def test_parameters_that_autograd_hands_one_gradient_tensor_are_summed_apart():
+    """``(a + b)``: autograd returns the same tensor as both gradients; summed in place into one, the other
+    would be counted twice. fp32 compute (the accumulator takes the first micro-batch's gradients as its
+    buffers): equals the whole batch."""
+    def run(k):
+        params = {"a": torch.linspace(-1, 1, 6), "b": torch.linspace(0.5, 2, 6)}
+
+        def train_step(state, batch):
+            _, grads = zf.value_and_grad(lambda p, x: ((p["a"] + p["b"]) * x).pow(2).mean())(state.params, batch)
+            return state.apply_gradients(grads), {}
+
+        step = accumulate(train_step, k) if k > 1 else train_step
+        state = zf.init(step, zf.TrainState.create(params, zf.optim.sgd(0.1)))
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+        state, _ = step(state, x)
+        return state.params
+
+    whole, split = run(1), run(4)
+    for k in whole:
+        torch.testing.assert_close(split[k], whole[k], rtol=1e-6, atol=1e-7)

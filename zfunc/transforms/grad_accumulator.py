@@ -135,9 +135,11 @@ class GradAccumulator:
         the sum goes, and writable (fresh from backward: ours), else one new flat buffer per device."""
         out: dict[str, torch.Tensor] = {}
         new: dict[torch.device, list[str]] = {}
+        taken: list[tuple[int, int, int]] = []  # the memory of the gradients taken as buffers
         for k, g in grads.items():
             device = self._tree_place(k, g)
-            if self.dtype in (None, g.dtype) and device == g.device and not _broadcast(g):
+            if self.dtype in (None, g.dtype) and device == g.device and not _broadcast(g) \
+                    and not _overlaps(g, taken):
                 out[k] = g
             else:
                 new.setdefault(device, []).append(k)
@@ -242,6 +244,24 @@ def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     size: only the staging buffers a copy engine writes are page-locked (`HostAdder`); torch's page-locked
     cache would round every buffer up to a power of two (up to twice the accumulator)."""
     return torch.empty(n, dtype=dtype, device=device)
+
+
+def _overlaps(g: torch.Tensor, taken: list[tuple[int, int, int]]) -> bool:
+    """Whether ``g`` shares memory with a gradient already taken as a buffer (autograd hands the same
+    tensor to both inputs of an addition: summing into one in place would add into the other), and if not,
+    note its memory as taken."""
+    if not g.numel():
+        return False
+    storage = g.untyped_storage()
+    if g.is_contiguous():
+        start = g.storage_offset() * g.element_size()
+        region = (storage.data_ptr(), start, start + g.numel() * g.element_size())
+    else:
+        region = (storage.data_ptr(), 0, storage.nbytes())
+    if any(ptr == region[0] and lo < region[2] and region[1] < hi for ptr, lo, hi in taken):
+        return True
+    taken.append(region)
+    return False
 
 
 def _broadcast(g: torch.Tensor) -> bool:
