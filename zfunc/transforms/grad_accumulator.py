@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from zfunc.compiled import tracing
 from zfunc.transforms.shard_layout import UnitLayout, map_param_shaped
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -136,9 +137,10 @@ class GradAccumulator:
         out: dict[str, torch.Tensor] = {}
         new: dict[torch.device, list[str]] = {}
         taken: list[tuple[int, int, int]] = []  # the memory of the gradients taken as buffers
+        reuse = not tracing()  # (a compiled step has no memory addresses to compare: new buffers there)
         for k, g in grads.items():
             device = self._tree_place(k, g)
-            if self.dtype in (None, g.dtype) and device == g.device and not _broadcast(g) \
+            if reuse and self.dtype in (None, g.dtype) and device == g.device and not _broadcast(g) \
                     and not _overlaps(g, taken):
                 out[k] = g
             else:
