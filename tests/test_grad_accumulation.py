@@ -79,7 +79,7 @@ def errors_on_ranks(stage: int | None) -> dict:
     outer = (lambda s: s) if stage is None else (lambda s: shard(s, stage=stage))
     out = {"whole": error(received_gradient(lambda s: outer(mixed_precision(s, "bf16")), local), exact)}
     for k in KS:
-        out[k] = error(received_gradient(lambda s: outer(mixed_precision(accumulate(s, k), "bf16")), local), exact)
+        out[k] = error(received_gradient(lambda s, k=k: outer(mixed_precision(accumulate(s, k), "bf16")), local), exact)
     out["bf16 256"] = error(received_gradient(
         lambda s: outer(mixed_precision(accumulate(s, 256, dtype=torch.bfloat16), "bf16")), local), exact)
     return out
