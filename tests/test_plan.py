@@ -13,7 +13,9 @@ import zfunc as zf
 from tests.models import lm_loss, make_batch, tiny_lm_step
 from zfunc.plan import _LiveBytes, measure_activations
 from zfunc.testing import run_distributed
-from zfunc.transforms import checkpoint, mixed_precision, offload, shard
+from zfunc.tiers.placement import Placement
+from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
+from zfunc.transforms.grad_accumulator import GradAccumulator
 
 # The optimizer's scalars (step count, loss scale, policy codes) are in the state but not per parameter.
 SCALARS = 128
@@ -52,6 +54,47 @@ def test_planned_model_state_is_the_state_init_builds(world, tmp_path):
             optimizer = planned["gpu"][1] + planned["host"][1]
             assert 0 <= built["host"][1] - optimizer <= SCALARS, (name, planned, built)
             assert planned["nvme"][1] == built["nvme"][1], name
+
+
+def _accumulator_planned_and_built(nvme_dir):
+    """Per tier: the accumulator bytes the plan counts, and those a step's accumulator holds (each unit's
+    buffer counted on the tier of the unit's optimizer state; an NVMe unit's buffer is host memory)."""
+    model, params, step = tiny_lm_step(width=24, hidden=37, depth=4)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    stack = shard(offload(mixed_precision(accumulate(step, 2), "bf16"), device_fraction=0.4, nvme_fraction=0.3,
+                          nvme_dir=nvme_dir), stage=3)
+    planned = zf.plan(stack, loss_fn, make_batch(), params, measure=False, baseline=0)
+    state = stack.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
+    layout = state.extras["shard"]
+    tiers = Placement([(u.name, u.shard_size) for u in layout.units], stack.stack.facts.optimizer_split,
+                      torch.device("cpu")).tiers
+    held = {"gpu": 0, "host": 0}
+    mean = GradAccumulator.mean
+
+    def spy(self, k, like):
+        for name, flat in self.flats.items():
+            held["gpu" if tiers[name] == "device" else "host"] += flat.numel() * flat.element_size()
+        return mean(self, k, like)
+
+    GradAccumulator.mean = spy  # (in this forked worker only)
+    rank, world = dist_rank_world()
+    stack(state, {k: v.chunk(world)[rank] for k, v in make_batch().items()})
+    return {t: planned.tiers[t].grads for t in ("gpu", "host", "nvme")}, held
+
+
+def dist_rank_world():
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_accumulator_is_planned_on_the_tier_of_each_units_optimizer_state(world, tmp_path):
+    for planned, held in run_distributed(_accumulator_planned_and_built, world, str(tmp_path)):
+        # fp32 accumulators of this rank's shards, on the GPU for the GPU share, in host memory for the rest;
+        # no gradient shards kept beside them, and nothing on NVMe.
+        assert planned == {"gpu": held["gpu"], "host": held["host"], "nvme": 0}, (planned, held)
+        assert held["gpu"] > 0 and held["host"] > 0
 
 
 def test_fake_measurement_equals_the_real_one():
@@ -108,8 +151,13 @@ def test_a_plan_that_cannot_fit_says_so():
     tight = zf.plan(shard(offload(step), stage=3), loss_fn, make_batch(), params, baseline=0, gpu_bytes=1,
                     host_bytes=1, nvme_bytes=1)
     assert tight.placement["params"] == "host"
-    assert any("does not fit" in n for n in tight.notes)
-    assert any(n.startswith("gpu: the plan needs") for n in tight.notes)
+    assert any("does not fit" in n and "nvme is short of" in n for n in tight.notes), tight.notes
+    assert any(n.startswith("gpu: the plan needs") and "missing" in n for n in tight.notes)
+    # Under accumulate the units' accumulators need host memory too: the note names the tier and the bytes.
+    tight = zf.plan(shard(offload(mixed_precision(accumulate(step, 4), "bf16")), stage=3), loss_fn, make_batch(),
+                    params, baseline=0, gpu_bytes=1, host_bytes=1, nvme_bytes=1 << 30)
+    assert any(n.startswith("host: the gradient accumulators") and "bytes) missing" in n for n in tight.notes), \
+        tight.notes
 
 
 def test_plan_cli_on_a_meta_built_model(tmp_path, monkeypatch, capsys):

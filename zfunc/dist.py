@@ -163,8 +163,9 @@ class Comm:
         self._note("all_gather", tag, shard.numel())
         return Prefetch(self, shard, out, tag)
 
-    def reduce_scatter(self, full: torch.Tensor, tag=None) -> torch.Tensor:
-        """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable).
+    def reduce_scatter(self, full: torch.Tensor, tag=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable), in ``dtype``
+        (default: ``full``'s; the reduction itself runs in the reduce dtype).
 
         With ``overlap`` it is asynchronous: the caller gets the result now and
         must not read it before `finish_pending` (shard reads gradients only
@@ -186,12 +187,12 @@ class Comm:
             summed = placed.clone() if placed is full else placed
             work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
             mine = summed[group.rank * size:(group.rank + 1) * size]
-            result = full.new_empty(size)
+            result = full.new_empty(size, dtype=dtype)
             finisher = lambda: result.copy_(mine.div_(group.size))  # noqa: E731
         else:
             out = placed.new_empty(size)
             work = _reduce_scatter_into(out, placed, op=dist.ReduceOp.AVG, group=group.handle, async_op=True)
-            result = out if out.dtype == full.dtype else full.new_empty(size)
+            result = out if out.dtype == (dtype or full.dtype) else full.new_empty(size, dtype=dtype)
             finisher = _nothing if result is out else lambda: result.copy_(out)  # back to the gradient's dtype
         if self.overlap:
             self.pending.append((work, finisher))

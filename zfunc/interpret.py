@@ -95,6 +95,9 @@ class Facts:
       fused_update: whether the optimizer may run as a fused in-place kernel (the stack owns the
         state's buffers, which the step consumes); False keeps the pure pytree update.
       micro_batches: forward/backward passes per update (`accumulate`).
+      accumulates: whether `accumulate` sums the gradients in its own accumulator.
+      accumulate_dtype: the dtype `accumulate` was asked to sum in (None: fp32 under a narrower compute
+        dtype, else the compute dtype; `zfunc.transforms.grad_accumulator.accumulation_dtype`).
       recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
         with ``reshard="recompute"``): activations of one block, not of all.
     """
@@ -110,6 +113,8 @@ class Facts:
     params_tier: Tier = "device"
     fused_update: bool | None = None  # None: nobody declared; the pure update
     micro_batches: int = 1
+    accumulates: bool = False
+    accumulate_dtype: torch.dtype | None = None
     recompute: bool = False
 
     def replace(self, **changes: Any) -> Facts:
@@ -151,6 +156,9 @@ class StepContext:
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
         self.loss_checks: list[LossCheck] = []  # losses to read before the update (`zfunc.autodiff`)
+        # Where gradients are summed across micro-batches, if anywhere (`accumulate`'s accumulator): `shard`
+        # adds each unit's reduced gradient into it as soon as the reduction lands, then frees the unit's.
+        self.grad_sink: Any = None
 
     def finish_loss_checks(self) -> None:
         """Raise if a loss this step made was NaN or infinite (see `LossCheck`); called before the update."""

@@ -14,7 +14,11 @@ padding included):
 - model state, exactly, from the stack's declared facts (`zfunc.interpret.Facts`)
   and the shard layout: parameters in the compute dtype (stage 3: this rank's
   shards), gradients kept for the update (stages 2 and 3: shards of the reduce
-  dtype; stages 0 and 1: the full gradient), fp32 moments and master (12 bytes
+  dtype; stages 0 and 1: the full gradient; under `accumulate`, its accumulator
+  instead, in the accumulation dtype: at stages 2 and 3 each unit's shard on
+  the tier of the unit's optimizer state, host memory for NVMe units, and no
+  gradient shards beside it; at stages 0 and 1 one full buffer on the GPU
+  beside one micro-batch's full gradient), fp32 moments and master (12 bytes
   per parameter, or 8 when the parameters are the fp32 master) split over the
   tiers by the offload shares, whole units at a time (`zfunc.tiers.placement`);
 - activations, measured: the loss function runs forward and backward once on
@@ -48,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zfunc.interpret import Facts, Transform
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
+from zfunc.transforms.grad_accumulator import accumulation_dtype
 from zfunc.transforms.shard_layout import ROOT, make_layout
 from zfunc.tree import tree_leaves, tree_map
 
@@ -177,23 +182,30 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     activations = measure_activations(loss_fn, batch, params, compute, facts.recompute, blocks) if measure else 0
     notes = []
     baseline = _resident_bytes() if baseline is None else baseline
+    # `accumulate`'s accumulator: at stages 2 and 3 fed unit by unit, on each unit's optimizer tier (its bytes
+    # per element, ``acc_b``, go with the optimizer shares below; the gradient shards are not kept beside it).
+    acc_b = _bytes(accumulation_dtype(facts.accumulate_dtype, compute) or compute) if facts.accumulates else 0
+    per_unit = acc_b if stage >= 2 else 0
+    kept_grads = 0 if per_unit else reduce_b  # gradient shards kept until the update (stages 2 and 3)
 
     def on_gpu(params_tier: str) -> tuple[int, int, int]:
         """(params, grads, in flight) on the GPU: what the state holds between steps and what a step holds
-        for a while (units gathered or reduced in flight)."""
+        for a while (units gathered or reduced in flight). A per-unit accumulator is counted with the
+        optimizer shares, not here."""
         if stage == 3:
-            return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * reduce_b,
+            return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * kept_grads,
                     (root + 2 * biggest_block) * cb + biggest_block * (cb + reduce_b))
         padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
         if stage == 2:
-            return padded, shard_elems * reduce_b, biggest_block * (cb + reduce_b)
-        return (padded, psi * cb, 0) if stage == 1 else (psi * cb, psi * cb, 0)
+            return padded, shard_elems * kept_grads, biggest_block * (cb + reduce_b)
+        full_grads = psi * (cb + acc_b)  # (with accumulate: its full buffer and one micro-batch's gradient)
+        return (padded, full_grads, 0) if stage == 1 else (psi * cb, full_grads, 0)
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
     if fit and offloading and gpu_bytes is not None and stage >= 1:
         split, params_tier, fit_notes = _fit(on_gpu, shard_elems, max(u.shard_size for u in layout.units), opt_b, cb, activations, stage == 3,
-                                             gpu_bytes, host_bytes, nvme_bytes, baseline)
+                                             gpu_bytes, host_bytes, nvme_bytes, baseline, per_unit)
         notes += fit_notes
     placement = Placement([(u.name, u.shard_size) for u in layout.units], split, torch.device("cpu"), params_tier)
     share = {tier: sum(u.shard_size for u in layout.units if placement.tiers[u.name] == tier)
@@ -203,14 +215,18 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     gpu_params, gpu_grads, in_flight = on_gpu(params_tier)
     chunk_buffers = _CHUNK_BUFFERS * min(CHUNK, max(shard_elems, 1)) * 4 if share["host"] + share["nvme"] else 0
     tiers = {
-        "gpu": TierBytes(gpu_params, gpu_grads, share["device"] * opt_b, activations, in_flight),
-        "host": TierBytes((shard_elems * cb if params_tier == "host" and stage == 3 else 0), 0,
+        "gpu": TierBytes(gpu_params, gpu_grads + share["device"] * per_unit, share["device"] * opt_b, activations,
+                         in_flight),
+        "host": TierBytes((shard_elems * cb if params_tier == "host" and stage == 3 else 0),
+                          (share["host"] + share["nvme"]) * per_unit,  # (NVMe units' accumulators: host memory)
                           share["host"] * opt_b, 0, chunk_buffers + baseline),
         "nvme": TierBytes(0, 0, share["nvme"] * opt_b, 0, 0),
     }
     for tier, budget in (("gpu", gpu_bytes), ("host", host_bytes), ("nvme", nvme_bytes)):
         if budget is not None and tiers[tier].peak > budget:
-            notes.append(f"{tier}: the plan needs {tiers[tier].peak / GiB:.1f} GiB, {budget / GiB:.1f} GiB is there")
+            notes.append(f"{tier}: the plan needs {tiers[tier].peak / GiB:.1f} GiB, {budget / GiB:.1f} GiB is "
+                         f"there: {(tiers[tier].peak - budget) / GiB:.2f} GiB ({tiers[tier].peak - budget} bytes) "
+                         "missing")
     device_fraction = share["device"] / max(1, shard_elems)
     nvme_fraction = share["nvme"] / max(1, shard_elems)
     return MemoryPlan(tiers, psi, world_size, facts,
@@ -223,19 +239,27 @@ _GPU_SLACK = 0.92  # of the GPU budget, the rest for the caching allocator's fra
 _HOST_SLACK = 0.90  # of the host budget, the rest for the page cache and the data loader
 
 
-def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_bytes, host_bytes, nvme_bytes, baseline):
+def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_bytes, host_bytes, nvme_bytes, baseline,
+         acc_b=0):
     """The optimizer shares and parameter tier that fit the budgets: the GPU first, then the host, then NVMe;
-    at stage 3, parameters move to the host only when the GPU cannot hold them with the activations."""
+    at stage 3, parameters move to the host only when the GPU cannot hold them with the activations. A unit's
+    gradient accumulator (``acc_b`` bytes per element, `accumulate` at stages 2/3) lives with its optimizer
+    state, and in host memory for a unit on NVMe."""
     notes = []
     params_tier = "device"
     room = gpu_bytes * _GPU_SLACK - sum(on_gpu("device")) - activations
     if room < 0 and stage3:
         params_tier, room = "host", gpu_bytes * _GPU_SLACK - sum(on_gpu("host")) - activations
         notes.append("parameters kept on the host: the GPU cannot hold them with the activations")
-    device_share = max(0.0, min(1.0, room / max(1, shard_elems * opt_b)))
+    device_share = max(0.0, min(1.0, room / max(1, shard_elems * (opt_b + acc_b))))
     rest = 1.0 - device_share
     host_room = (host_bytes if host_bytes is not None else math.inf) * _HOST_SLACK - baseline - \
         (shard_elems * cb if params_tier == "host" else 0) - _CHUNK_BUFFERS * min(CHUNK, shard_elems) * 4
+    # The host holds the accumulators of every unit off the GPU, and the optimizer state of those not on NVMe.
+    host_room -= rest * shard_elems * acc_b
+    if host_room < 0:
+        notes.append(f"host: the gradient accumulators of the units off the GPU need {rest * shard_elems * acc_b / GiB:.2f} "
+                     f"GiB of host memory; {-host_room / GiB:.2f} GiB ({int(-host_room)} bytes) missing")
     host_share = max(0.0, min(rest, host_room / max(1, shard_elems * opt_b)))
     nvme_share = max(0.0, rest - host_share)
     if nvme_share > 0:
@@ -244,7 +268,9 @@ def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_
         nvme_share = min(rest, nvme_share + biggest_unit / max(1, shard_elems))
         notes.append("optimizer state on NVMe: give offload(..., nvme_dir=...) a directory on a local NVMe drive")
     if nvme_share > 0 and nvme_bytes is not None and nvme_share * shard_elems * opt_b > nvme_bytes:
-        notes.append("the optimizer state does not fit on GPU, host and NVMe together")
+        missing = nvme_share * shard_elems * opt_b - nvme_bytes
+        notes.append(f"the optimizer state does not fit on GPU, host and NVMe together: nvme is short of "
+                     f"{missing / GiB:.2f} GiB ({int(missing)} bytes)")
     return (device_share, 1.0 - device_share - nvme_share, nvme_share), params_tier, notes
 
 

@@ -175,7 +175,9 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         p, g, m, v, *out = (span_of(d, run) for d in operands)
         target = out[0] if out else None
         decay = decays[run[0]]
-        if p.device.type == "cpu" and g.device.type == "cuda":
+        # State on the host, with the gradient or the compute copy on a GPU (a gradient summed on the host
+        # by `accumulate` goes up as new parameters all the same): streamed.
+        if p.device.type == "cpu" and (g.device.type == "cuda" or (target is not None and target.device.type == "cuda")):
             if target is not None and target.device.type == "cpu":  # parameters kept on the host: in place
                 streamed.append((p, g, m, v, None, decay, target))
             else:
@@ -235,7 +237,7 @@ def _compute_targets(params: dict, grads: dict, dtype: torch.dtype, into: dict |
     for k, p in params.items():
         t = into.get(k) if into is not None else None
         if t is not None and t.dtype == dtype and t.numel() == p.numel() and t.is_contiguous() and \
-                t.device in (p.device, grads[k].device):
+                (t.device in (p.device, grads[k].device) or (p.device.type == "cpu" and t.device.type == "cuda")):
             out[k] = t
         else:
             fresh[k] = p

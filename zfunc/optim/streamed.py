@@ -15,7 +15,9 @@ through in chunks of ``chunk`` elements, double-buffered:
 
 so the host holds the state itself (12 bytes per parameter, in plain pageable
 memory: only the buffers a copy engine reads or writes need pinning) plus four
-chunk buffers. The arithmetic is the kernel's, unchanged: the result is bit
+chunk buffers. A gradient that is on the host already (summed there over
+micro-batches by `accumulate`, `zfunc.transforms.grad_accumulator`) is read
+where it is: only the new parameters travel. The arithmetic is the kernel's, unchanged: the result is bit
 for bit that of one whole-state update (chunk boundaries fall on multiples of
 the kernel's vector width).
 """
@@ -47,24 +49,30 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
     if not runs:
         return
     chunk = max(ALIGN, chunk - chunk % ALIGN)
-    device = runs[0][1].device
+    # The GPU: that of the gradients, or of the compute copy where the gradients were summed on the host.
+    device = next((t.device for run in runs for t in (run[1], run[4] if len(run) > 4 else None)
+                   if t is not None and t.device.type == "cuda"), runs[0][1].device)
     grad_dtype = runs[0][1].dtype
     largest = min(chunk, max(p.numel() for p, *_ in runs))
     cuda = device.type == "cuda"  # (off a GPU the same loop runs with plain copies: the tests' way in)
     streams = _Streams(device) if cuda else _Inline()
     down, up = streams.down, streams.up
-    grad_bufs = [torch.empty(largest, dtype=grad_dtype, pin_memory=cuda) for _ in range(2)]
+    on_host = [run[1].device.type == "cpu" and cuda for run in runs]  # gradients read in place
+    grad_bufs = [torch.empty(largest if not all(on_host) else 0, dtype=grad_dtype, pin_memory=cuda)
+                 for _ in range(2)]
     back_dtype = out_dtype or torch.float32
     out_bufs = [torch.empty(largest, dtype=back_dtype, pin_memory=cuda) for _ in range(2)]
     landed = [streams.event() for _ in range(2)]  # a gradient chunk reached its pinned buffer
     sent = [None, None]  # the event of the last upload from each out buffer
 
-    runs = [tuple(run) + (None,) * (7 - len(run)) for run in runs]
+    runs = [tuple(run) + (None,) * (7 - len(run)) + (host,) for run, host in zip(runs, on_host)]
     pieces = [(run, start, min(start + chunk, run[0].numel())) for run in runs
               for start in range(0, run[0].numel(), chunk)]
 
     def download(i: int) -> None:
-        (p, g, *_), a, b = pieces[i]
+        (p, g, *_, host), a, b = pieces[i]
+        if host:
+            return
         slot = i % 2
         with streams.on(down):
             grad_bufs[slot][:b - a].copy_(g[a:b], non_blocking=cuda)
@@ -76,17 +84,20 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
     download(0)
     for piece in on_drive[0]:
         prefetch(piece)
-    for i, ((p, g, m, v, out, decay, host_out), a, b) in enumerate(pieces):
+    for i, ((p, g, m, v, out, decay, host_out, host), a, b) in enumerate(pieces):
         slot = i % 2
         if i + 1 < len(pieces):
             download(i + 1)  # its gradient buffer was read by the kernel of chunk i-1, which has returned
             for piece in on_drive[i + 1]:  # the drive reads chunk i+1 while the kernel updates chunk i
                 prefetch(piece)
-        landed[slot].synchronize()
         n = b - a
+        if host:
+            grad = g[a:b]
+        else:
+            landed[slot].synchronize()
+            grad = grad_bufs[slot][:n]
         if host_out is not None:  # the parameters live on the host: written in place, nothing goes back
-            kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], host_out[a:b] if out_dtype is not None else None,
-                   decay)
+            kernel(p[a:b], grad, m[a:b], v[a:b], host_out[a:b] if out_dtype is not None else None, decay)
             if out_dtype is None:
                 host_out[a:b].copy_(p[a:b])
             for piece in on_drive[i]:
@@ -95,7 +106,7 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
         if sent[slot] is not None:
             sent[slot].synchronize()  # the upload of chunk i-2 has left this out buffer
         back = out_bufs[slot][:n]
-        kernel(p[a:b], grad_bufs[slot][:n], m[a:b], v[a:b], back if out_dtype is not None else None, decay)
+        kernel(p[a:b], grad, m[a:b], v[a:b], back if out_dtype is not None else None, decay)
         if out_dtype is None:
             back.copy_(p[a:b])  # fp32 parameters go back as they are
         for piece in on_drive[i]:  # written back to the drive and out of host memory

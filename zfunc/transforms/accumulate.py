@@ -5,6 +5,15 @@ equal slices of its batch, one after another, and hands the *mean* of the k
 gradients to a single optimizer update. For a loss that is a mean over
 examples this equals the full-batch step (up to the order of float sums),
 with the activation memory of one micro-batch.
+
+The sum is taken in fp32 whenever the model computes in bf16 or fp16 (as
+Megatron-LM's ``main_grad``, DeepSpeed's BF16_Optimizer and FSDP2 with an fp32
+``reduce_dtype`` do): summing k bf16 gradients in bf16 rounds every partial
+sum to 8 bits of mantissa, an error that grows with k (13x the whole batch's
+at k = 256 on an MLP), while the fp32 sum of the same bf16 gradients stays
+as accurate as the whole-batch bf16 gradient. Where the sum lives, and how
+`shard` feeds it unit by unit as backward makes the gradients, is
+`zfunc.transforms.grad_accumulator`.
 """
 
 from __future__ import annotations
@@ -16,7 +25,15 @@ from typing import Any, Callable
 
 import torch
 
-from zfunc.interpret import Facts, Transform
+from zfunc.compiled import tracing
+from zfunc.interpret import Facts, Transform, current
+from zfunc.transforms.grad_accumulator import (
+    FLOAT_DTYPES,
+    GradAccumulator,
+    accumulation_dtype,
+    narrower,
+    optimizer_devices,
+)
 from zfunc.tree import tree_flatten, tree_map, tree_unflatten
 
 
@@ -34,41 +51,81 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
     micro-batch gradients, i.e. for ``L = 1/k Σ_i L_i`` exactly ``∇L``;
     floating-point tensors in ``aux`` are averaged, other aux leaves are
     taken from the last micro-batch.
+
+    ``dtype``: what the gradients are summed in, ``acc ← acc + g_i`` for
+    i = 1..k, then ``acc / k``; the update receives ``acc / k`` in this dtype.
+    None (the default): fp32 when the stack computes in a narrower dtype
+    (``mixed_precision`` bf16/fp16), else the compute dtype; the error of the
+    mean is then that of the k bf16 gradients themselves (no growth with k).
+    ``dtype=torch.bfloat16`` under bf16 compute sums in place in bf16, as
+    zfunc did before: half the accumulator's memory, but every partial sum is
+    rounded to bf16, so the error grows with k (about k^(1/2) times the whole
+    batch's for independent roundings; measured 13x at k = 256). A dtype
+    narrower than the compute dtype is refused. Under `shard` stages 2/3 the
+    gradients go through the reduce dtype (`mixed_precision`'s
+    ``reduce_dtype``, bf16 by default) on the wire; the sum is in ``dtype``.
+    The fp16 loss scaler and gradient clipping see the accumulated gradient.
     """
 
     name = "accumulate"
     level = 0
 
-    def __init__(self, step: Callable, micro_batches: int) -> None:
+    def __init__(self, step: Callable, micro_batches: int, dtype: torch.dtype | None = None) -> None:
         if not isinstance(micro_batches, Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
             raise ValueError(f"accumulate: micro_batches must be a positive int (the number of slices each batch "
                              f"is split into), got {micro_batches!r}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise ValueError(f"accumulate: dtype must be None (fp32 under bf16/fp16 compute) or a floating torch "
+                             f"dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
         super().__init__(step)
         self.micro_batches = int(micro_batches)
+        self.dtype = dtype
 
     def settings(self) -> dict[str, Any]:
-        return {"micro_batches": self.micro_batches}
+        out: dict[str, Any] = {"micro_batches": self.micro_batches}
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        return out
 
     def declare(self, facts: Facts) -> Facts:
-        return facts.replace(micro_batches=facts.micro_batches * self.micro_batches)
+        return facts.replace(micro_batches=facts.micro_batches * self.micro_batches, accumulates=True,
+                             accumulate_dtype=self.dtype)
+
+    def check(self, facts: Facts) -> None:
+        if self.dtype is not None and facts.compute_dtype is not None:
+            self._refuse_narrower(facts.compute_dtype)
+
+    def _refuse_narrower(self, compute: torch.dtype) -> None:
+        if narrower(self.dtype, compute):
+            raise ValueError(
+                f"accumulate(dtype={self.dtype}) would sum gradients computed in {compute} in a narrower dtype, "
+                f"losing what {compute} holds on every micro-batch; use dtype=None (fp32 under bf16/fp16 compute) "
+                f"or dtype={compute}")
+
+    def start(self, ctx, state) -> GradAccumulator:
+        # Transforms that reduce gradients unit by unit during backward (`shard`) feed this accumulator as each
+        # unit's reduction lands: it is this call's gradient sink.
+        dtype = accumulation_dtype(self.dtype, ctx.facts.compute_dtype)
+        # (Without shard, offload's update runs on the full gradients: summed on its tier, the host.)
+        on_tier = ctx.facts.stage == 0 and ctx.facts.optimizer_tier != "device" and not tracing()
+        ctx.grad_sink = GradAccumulator(dtype, lambda: optimizer_devices(state), tree_on_optimizer_tier=on_tier)
+        return ctx.grad_sink
 
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
         k = self.micro_batches
-        if k == 1:
-            return next(fn, params, args, kwargs, has_aux)
-        micro_batches = _split((args, kwargs), k)
-        total_value = total_grads = None
+        acc: GradAccumulator = self.call_scratch()
+        compute = current().facts.compute_dtype
+        acc.begin()
+        micro_batches = _split((args, kwargs), k) if k > 1 else [(args, kwargs)]
+        total_value = grads = None
         for micro_args, micro_kwargs in micro_batches:
             value, grads = next(fn, params, micro_args, micro_kwargs, has_aux)
-            if total_grads is None:
-                total_value, total_grads = value, tree_map(_writable, grads)
-            else:
-                # Accumulate in place into the first micro-batch's gradients:
-                # they are ours (fresh from backward), and this keeps one copy.
-                tree_map(lambda acc, g: acc.add_(g), total_grads, grads)
-                total_value = _add_values(total_value, value, has_aux)
-        grads = tree_map(lambda g: g.div_(k), total_grads)
-        return _mean_value(total_value, k, has_aux), grads
+            keyed, rebuild = _keyed(grads)
+            if self.dtype is not None and compute is None:
+                self._refuse_narrower(_grad_dtype(keyed, self.dtype))
+            acc.add_tree(keyed)  # (what `shard` fed during backward is summed already)
+            total_value = value if total_value is None else _add_values(total_value, value, has_aux)
+        return _mean_value(total_value, k, has_aux), rebuild(acc.mean(k, keyed))
 
 
 def _split(tree: Any, k: int) -> list:
@@ -117,13 +174,18 @@ def _rebuilt(original: Mapping, data: dict) -> Mapping:
     return rebuilt
 
 
-def _writable(g: torch.Tensor) -> torch.Tensor:
-    """``g``, or a copy of it when it cannot be accumulated into in place: autograd may hand back a
-    broadcast view (the gradient of ``p.sum()`` is ``ones`` expanded to ``p``'s shape, every element
-    one memory location)."""
-    if isinstance(g, torch.Tensor) and any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
-        return g.clone()
-    return g
+def _keyed(grads: Any) -> tuple[dict, Callable[[dict], Any]]:
+    """``grads`` as a dict (params are a dict of names almost always; any other pytree is keyed by leaf
+    position) and the function that rebuilds the original structure from such a dict."""
+    if isinstance(grads, dict):
+        return grads, lambda d: d
+    leaves, treedef = tree_flatten(grads)
+    return {str(i): g for i, g in enumerate(leaves)}, lambda d: tree_unflatten(treedef, list(d.values()))
+
+
+def _grad_dtype(grads: dict, default: torch.dtype) -> torch.dtype:
+    """The dtype of the floating gradients (the compute dtype when no transform declared one)."""
+    return next((g.dtype for g in grads.values() if isinstance(g, torch.Tensor) and g.is_floating_point()), default)
 
 
 def _add_values(total, value, has_aux):
@@ -135,6 +197,8 @@ def _add_values(total, value, has_aux):
 
 
 def _mean_value(total, k, has_aux):
+    if k == 1:
+        return total
     if not has_aux:
         return total / k
     loss, aux = total

@@ -38,7 +38,8 @@ How the primitives change:
 
 - ``value_and_grad``: with fp16 the differentiated loss is ``loss × scale``;
   the returned loss is the unscaled one, bitwise. Gradients come back in the
-  compute dtype and still *scaled* (as DeepSpeed's ``p.grad``): the step
+  compute dtype (under `accumulate`, in its accumulation dtype: fp32 by
+  default) and still *scaled* (as DeepSpeed's ``p.grad``): the step
   should hand them to ``state.apply_gradients`` unchanged.
 - ``apply``: parameters, floating inputs and frozen parameters (and floating
   buffers with ``cast_buffers=True``) are cast to the compute dtype,
@@ -501,9 +502,9 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if self.scaling == "none":
             if not mp.master:
                 return next(state, {k: g.to(master_dtype) for k, g in grads.items()}, request)
-            # Handed on in the compute dtype: the optimizer's update upcasts them exactly
-            # (`zfunc.state.pure_update`), and a fused kernel reads them as they are, saving a
-            # full fp32 copy of the gradients.
+            # Handed on as they are (the compute dtype, or `accumulate`'s fp32 sum): the optimizer's
+            # update upcasts them exactly (`zfunc.state.pure_update`), and a fused kernel reads them
+            # as they are, saving a full fp32 copy of the gradients.
             new = next(state.replace(params=dict(mp.master)), grads, request)
             return self._write_back(new, mp)
 

@@ -46,6 +46,7 @@ import torch
 from zfunc import dist
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
+from zfunc.interpret import current
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
 from zfunc.transforms.shard_compiled import unit_views
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
@@ -88,7 +89,13 @@ class Reducer:
             return None
         use.issued = True
         grad, use.grad_sum = use.grad_sum, None
+        if self.units.sink is not None:
+            self.units.reduce_into_sink(self.unit, grad)
+            return FED
         return self.units.comm.reduce_scatter(grad, self.unit.name)
+
+
+FED = object()  # what a `Reducer` returns when the unit's gradient went into the call's accumulator
 
 
 class UnitViews(torch.autograd.Function):
@@ -119,6 +126,8 @@ class UnitViews(torch.autograd.Function):
         shard = ctx.reducer(torch.cat(parts))
         if shard is None:
             return (None, None, None, None, *([None] * len(unit.keys)))
+        if shard is FED:  # summed where the update reads it: autograd gets zeros that take no memory
+            shard = torch.zeros((), dtype=ctx.dtype, device=ctx.device).expand(unit.shard_size)
         return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
 
 
@@ -140,6 +149,10 @@ class Units:
         self.issued = -1  # this model call's forward gathers: blocks [0, issued] are issued (stage 3)
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
         self.host_data: dict[int, torch.Tensor] = {}  # a stand-in's storage -> its shard on the host
+        # The call's gradient accumulator (`accumulate`), fed as each unit's reduction lands, and the
+        # reductions issued into it that have not landed yet.
+        self.sink = None
+        self.landing: list[tuple[UnitLayout, torch.Tensor]] = []
 
     # -- parameter shards on the host ---------------------------------------------
     def on_compute_device(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -177,6 +190,30 @@ class Units:
         """A gradient call begins: decide the mode for this call; count uses afresh."""
         self.mode = "functional" if under_torch_func_or_compile() else "autograd"
         self.uses, self.agreed, self.deferred = {}, False, set()
+        ctx = current()
+        self.sink = ctx.grad_sink if ctx is not None and self.mode == "autograd" else None
+
+    def reduce_into_sink(self, unit: UnitLayout, grad: torch.Tensor) -> None:
+        """Reduce ``unit``'s full gradient and add this rank's shard into the accumulator.
+
+        The reduction is asynchronous: it lands (is added, and the unit's gradient freed) when the next
+        unit's reduction is issued, or at the end of the backward pass, so it overlaps the next unit's
+        backward and at most two units' gradients are alive at once. One rank reduces nothing: added now.
+        """
+        if self.comm.group.size == 1:
+            self.sink.add_unit(unit, self.rank, grad)
+            return
+        self.land()
+        self.landing.append((unit, self.comm.reduce_scatter(grad, unit.name, dtype=self.comm.reduce_dtype)))
+
+    def land(self) -> None:
+        """Wait for the reductions issued into the accumulator and add them there."""
+        if not self.landing:
+            return
+        self.comm.finish_pending()
+        landing, self.landing = self.landing, []
+        for unit, shard in landing:
+            self.sink.add_unit(unit, self.rank, shard)
 
     def backward_begins(self) -> None:
         """Before the first collective of a backward pass: compare the units each rank ran.
@@ -226,15 +263,17 @@ class Units:
                                    device=like.device if like is not None else self.comm.group.device)
             if use is not None:
                 use.issued, use.grad_sum = True, None
-            flushed[name] = self.comm.reduce_scatter(grad, name)
+            flushed[name] = self._reduce_at_end(units[name], grad)
         for name, use in self.uses.items():
             if use.grad_sum is not None and not use.issued:
                 # A use whose backward never ran (its output did not reach the loss): reduce the
                 # sum of the uses that did, now, in unit order (the same on every rank).
                 use.issued = True
                 grad, use.grad_sum = use.grad_sum, None
-                flushed[name] = self.comm.reduce_scatter(grad, name)
+                flushed[name] = self._reduce_at_end(units[name], grad)
         self.comm.finish_pending()
+        self.land()
+        flushed = {name: shard for name, shard in flushed.items() if shard is not FED}
         self.uses = {}
         if flushed and grads is not None:
             units = {u.name: u for u in self.layout.units}
@@ -242,6 +281,12 @@ class Units:
             for name, shard in flushed.items():
                 grads.update(units[name].shard_views(shard, self.rank))
         return grads
+
+    def _reduce_at_end(self, unit: UnitLayout, grad: torch.Tensor):
+        if self.sink is not None:
+            self.reduce_into_sink(unit, grad)
+            return FED
+        return self.comm.reduce_scatter(grad, unit.name)
 
     def drop(self) -> None:
         """Finish and forget gathers nobody used (e.g. a forward without backward)."""
