@@ -149,14 +149,19 @@ class StepContext:
         self.facts = stack.facts
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
-        self.loss_checks: list[LossCheck] = []  # losses to read before the update (`zfunc.autodiff`)
+        # Whether this step's update is skipped (a 0-d bool on the device; None: it is not), and why: what a
+        # step found on the device (a NaN loss, fp16 overflow at the minimum scale) without reading it on the
+        # host. The update reads ``skip`` on the device; the findings are raised at the next use of the state.
+        self.skip: torch.Tensor | None = None
+        self.findings: list[Finding] = []
 
-    def finish_loss_checks(self) -> None:
-        """Raise if a loss this step made was NaN or infinite (see `LossCheck`); called before the update."""
-        checks, self.loss_checks = self.loss_checks, []
-        for check in checks:
-            check.raise_if_nonfinite()
-
+    def skip_update_if(self, flag: torch.Tensor, finding: Finding | None = None) -> None:
+        """Skip this step's update where ``flag`` (0-d, on the device) is nonzero, without a host read; with
+        ``finding``, an error to raise at the next use of the state the step returns (see `Finding`)."""
+        flag = flag.detach() != 0
+        self.skip = flag if self.skip is None else self.skip | flag
+        if finding is not None:
+            self.findings.append(finding)
 
     def of(self, transform: Transform) -> Any:
         """``transform``'s per-call scratch."""
@@ -166,36 +171,49 @@ class StepContext:
             raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
 
 
-class LossCheck:
-    """Whether a loss was NaN or infinite (on how many ranks: ``count`` is summed over them), readable on
-    the host without waiting for more than the forward that made it: on a GPU the count is copied to
-    page-locked memory behind an event, and reading waits for that event only."""
+class Finding(NamedTuple):
+    """An error a step found on the device, e.g. a NaN loss: raised at the next use of the state it returned.
 
-    def __init__(self, count: torch.Tensor, loss: torch.Tensor, ctx: StepContext | None) -> None:
-        self.loss, self.where = loss, ctx
-        if count.device.type == "cuda":
-            self.count = torch.empty((), dtype=count.dtype, pin_memory=True)
-            self.count.copy_(count, non_blocking=True)
+    ``values``: a 1-D float tensor on the device whose first element is nonzero when the error happened
+    (the rest are whatever ``explain`` needs to say what happened, e.g. the loss); ``explain(values, step)``
+    makes the exception from their host copy and the step number (``state.step`` of the state the step
+    was given). The step that found it skipped its update on the device (`StepContext.skip_update_if`), so
+    the state it returned holds the values of the state it was given.
+    """
+
+    values: torch.Tensor
+    explain: Callable[[list[float], int], BaseException]
+
+
+class Pending:
+    """The findings of one step, copied to the host behind a CUDA event as the step is issued (no wait),
+    read at the next use of the state the step returned (`check_alive`). That read waits at most for the
+    part of the previous step that made the values (a forward), long done by then."""
+
+    def __init__(self, findings: list[Finding], step: torch.Tensor) -> None:
+        self.explains = [f.explain for f in findings]
+        self.sizes = [f.values.numel() for f in findings]
+        values = torch.cat([f.values.detach().reshape(-1).to(torch.float64) for f in findings]
+                           + [step.detach().reshape(1).to(device=findings[0].values.device, dtype=torch.float64)])
+        if values.device.type == "cuda":
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
         else:
-            self.count, self.ready = count, None
+            self.host, self.ready = values, None
 
-    def raise_if_nonfinite(self) -> None:
+    def raise_if_found(self) -> None:
+        """Raise the first finding whose flag is set (reads the host copy; waits for its event only)."""
         if self.ready is not None:
             self.ready.synchronize()
-        bad = int(self.count.item())
-        if not bad:
-            return
-        ctx = self.where
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
-        ranks = f" on {bad} rank(s)" if ctx is not None and ctx.facts.stage else ""
-        raise FloatingPointError(
-            f"value_and_grad: the loss is {self.loss.item()}{ranks}{where}. The step stops here, before any "
-            "update: the state it was given is unchanged and can be stepped again. Look for the cause (a batch "
-            "with NaN or inf values, a log or division of zero, a learning rate that made the weights "
-            "diverge); to differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its "
-            "gradients are NaN).")
+        values = self.host.tolist()  # a host tensor: no device sync
+        step, start = int(values[-1]), 0
+        for explain, size in zip(self.explains, self.sizes):
+            mine = values[start:start + size]
+            start += size
+            if mine[0]:
+                raise explain(mine, step)
 
 
 _CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
@@ -363,7 +381,6 @@ class Transform:
             check_copies(state, self)
             try:
                 out = self._run(ctx, state, batch)
-                ctx.finish_loss_checks()  # (a step that took gradients without an update still reports)
             except BaseException:
                 if ctx.state_consumed:
                     consume(state, f"{self!r}, which failed after it began updating it in place")
@@ -372,6 +389,8 @@ class Transform:
                 consume(state, f"{self!r}")
             if isinstance(out, tuple) and out:
                 stamp_copies(out[0], self)
+                if ctx.findings:  # raised at the next use of the state returned (`check_alive`)
+                    defer_findings(out[0], Pending(ctx.findings, state.step))
             return out
         finally:
             _CONTEXT.reset(token)
@@ -480,11 +499,8 @@ class Transform:
     def gather_params(self, state, next: Callable) -> dict[str, torch.Tensor]:
         return next(state)
 
-    def plan(self, loss_fn: Callable, batch: Any, params: dict, **budgets: Any):
-        """The memory plan of this stack per tier and rank (`zfunc.plan.plan`, its arguments)."""
-        from zfunc.plan import plan
-
-        return plan(self, loss_fn, batch, params, **budgets)
+    # ``step.plan(loss_fn, batch, params, **budgets)``, the memory plan of this stack, is `zfunc.plan.plan`,
+    # which attaches itself here (the planner is a layer above the interpreter: it is not imported from here).
 
     # -- display ---------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -544,18 +560,29 @@ class Donation:
     raises instead of computing on them.
     """
 
-    __slots__ = ("dead", "stamp")
+    __slots__ = ("dead", "stamp", "pending")
 
     def __init__(self) -> None:
         self.dead: str | None = None  # None: alive; else what consumed it
         # ``(identity, version)`` of the tensors a stack keeps consistent with each other (`Transform.copies`),
         # as the step that returned the state left them; None: not recorded (a copy, a restored template).
         self.stamp: dict[str, tuple[int, int]] | None = None
+        # What the step that returned the state found on the device (`Pending`), raised at its next use.
+        self.pending: Pending | None = None
 
     def __deepcopy__(self, memo) -> Donation:
         copied = Donation()  # (a deep copy holds other tensors: the stamp does not describe them)
-        copied.dead = self.dead
+        copied.dead, copied.pending = self.dead, self.pending
         return copied
+
+
+def defer_findings(state, pending: Pending) -> None:
+    """Keep ``pending`` on ``state``, to be raised at its next use (`check_alive`)."""
+    donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation):
+        donation.pending = pending
+    else:  # a state that cannot carry them: read now
+        pending.raise_if_found()
 
 
 def stamp_copies(state, outermost: Transform) -> None:
@@ -636,8 +663,12 @@ def check_laid_out_by(state, names: set[str], what) -> None:
 
 
 def check_alive(state, what: str) -> None:
-    """Raise a clear error if ``state`` was consumed by an earlier step."""
+    """Raise a clear error if ``state`` was consumed by an earlier step, or if the step that returned it found
+    an error on the device (a NaN loss: `Finding`; raised once, the state is usable afterwards)."""
     donation = getattr(state, "donation", None)
+    if isinstance(donation, Donation) and donation.pending is not None:
+        pending, donation.pending = donation.pending, None
+        pending.raise_if_found()
     if isinstance(donation, Donation) and donation.dead is not None:
         raise ValueError(
             f"{what} was given a state that {donation.dead} already consumed: a transformed step updates the "
