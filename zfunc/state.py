@@ -94,6 +94,7 @@ class TrainState:
         # The record of what a stack keeps consistent carries over, so that a compute copy or master swapped
         # in by ``replace`` is refused like one edited in place (`zfunc.interpret.check_copies`).
         donation.stamp = self.donation.stamp
+        donation.pending = self.donation.pending  # (an error the step that made it found: raised at next use)
         return dataclasses.replace(self, donation=donation, **changes)
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from typing import Any, Callable, Literal
 
 import torch
@@ -182,7 +183,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     host = _HostKernel(spec, lr, step, divisor, host_threads, skip)
     found = None if skip is None else skip.to(torch.float32)
     streamed = []
-    for run in contiguous_runs(keys, operands, decays):
+    for run in contiguous_runs(keys, operands, decays, cache=spec.tables):
         p, g, m, v, *out = (span_of(d, run) for d in operands)
         target = out[0] if out else None
         decay = decays[run[0]]
@@ -326,12 +327,55 @@ def laid_out_like(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 # Flat spans of per-parameter views: fused kernels take a whole run at once.
 
 
-def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None) -> list[list[str]]:
+def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None,
+                    cache: dict | None = None) -> list[list[str]]:
     """``keys`` split into runs that are one gap-free span, in one order, in every operand.
 
     Keys are ordered by their position in ``operands[0]``; ``same`` (key -> value):
     a run also never joins keys whose values differ (e.g. weight decays).
+
+    With ``cache`` (a dict that lives with the optimizer, `AdamSpec.tables`), the runs found for these keys
+    are reused for as long as every operand still lays them out so: an operand holding the very tensors it
+    held then (the state's master and moments, step after step) is not looked at again, and any other (the
+    step's fresh gradients) is checked run by run. A step then costs one identity check per tensor instead
+    of a sort and a comparison of every neighbouring pair in every operand.
     """
+    if cache is None:
+        return _find_runs(keys, operands, same)
+    signature = ("runs", len(operands), tuple(keys), None if same is None else tuple(same[k] for k in keys))
+    found = cache.get(signature)
+    if found is not None:
+        runs, held = found
+        if all(_still_runs(runs, d, refs) for d, refs in zip(operands, held)):
+            return runs
+    runs = _find_runs(keys, operands, same)
+    cache[signature] = (runs, [{k: weakref.ref(d[k]) for k in keys} for d in operands])
+    return runs
+
+
+def _still_runs(runs: list[list[str]], d: dict, refs: dict) -> bool:
+    """Whether every run is still one gap-free span of ``d``, in order: at once where ``d`` holds the tensors
+    ``refs`` point to (a view's storage and offsets never change), else by looking at each run."""
+    if all(refs[k]() is d[k] for run in runs for k in run):
+        return True
+    for run in runs:
+        first = d[run[0]]
+        if not first.is_contiguous():
+            return False
+        if len(run) == 1:
+            continue
+        ptr, dtype, device = first.untyped_storage().data_ptr(), first.dtype, first.device
+        end = first.storage_offset() + first.numel()
+        for k in run[1:]:
+            t = d[k]
+            if (t.storage_offset() != end or t.untyped_storage().data_ptr() != ptr or t.dtype != dtype
+                    or t.device != device or not t.is_contiguous()):
+                return False
+            end += t.numel()
+    return True
+
+
+def _find_runs(keys: list[str], operands: list[dict], same: dict | None) -> list[list[str]]:
     keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(),
                                        operands[0][k].storage_offset()))
     runs: list[list[str]] = []
