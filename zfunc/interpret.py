@@ -205,7 +205,7 @@ class Pending:
 
     def raise_if_found(self) -> None:
         """Raise the first finding whose flag is set (reads the host copy; waits for its event only)."""
-        if self.ready is not None:
+        if self.ready is not None and not self.ready.query():  # (by the next call, it almost always is done)
             self.ready.synchronize()
         values = self.host.tolist()  # a host tensor: no device sync
         step, start = int(values[-1]), 0

@@ -1,7 +1,7 @@
 """On a GPU: no host reads in a steady-state step of any stack without offload (issue 25, item 1).
 
-Run: ``python tests/gpu/host_reads.py`` (one GPU) or ``torchrun --nproc-per-node 2 tests/gpu/host_reads.py``
-(shard stacks at world 2, NCCL). Each stack runs two warm-up steps, then two steps under
+Run from the repository root: ``PYTHONPATH=. python tests/gpu/host_reads.py`` (one GPU) or
+``PYTHONPATH=. torchrun --nproc-per-node 2 tests/gpu/host_reads.py`` (shard stacks at world 2, NCCL). Each stack runs two warm-up steps, then two steps under
 ``torch.cuda.set_sync_debug_mode("error")``: any call that makes the host wait for the GPU (``.item()``,
 ``.tolist()``, ``bool(t)``, a device-to-host copy into pageable memory, ``nonzero()``, ...) raises there.
 Prints ``PASS`` or ``FAIL`` (with the error) per stack and exits non-zero on a failure. Then the NaN-loss
@@ -91,7 +91,7 @@ def build(wrap, kind: str):
 
     def loss_fn(p, b):
         logits = apply_fn(p, b["x"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), b["y"].flatten()) * b["scale"]
+        return F.cross_entropy(logits.flatten(0, 1).float(), b["y"].flatten()) * b["scale"].mean()
 
     def train_step(state, batch):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
@@ -107,7 +107,7 @@ def batches(rank: int, count: int):
     out = []
     for _ in range(count):
         x = torch.randint(0, 61, (8, 16), generator=g)
-        out.append({"x": x.cuda(), "y": torch.roll(x, 1, 1).cuda(), "scale": torch.ones((), device="cuda")})
+        out.append({"x": x.cuda(), "y": torch.roll(x, 1, 1).cuda(), "scale": torch.ones(8, device="cuda")})
     return out
 
 
@@ -137,7 +137,7 @@ def nan_stop(wrap, rank: int, world: int) -> str | None:
     for b in data[:2]:
         state, _ = step(state, b)
     before = {k: v.clone() for k, v in step.gather(state).items()}
-    poisoned = dict(data[2], scale=torch.full((), float("nan") if rank == world - 1 else 1.0, device="cuda"))
+    poisoned = dict(data[2], scale=torch.full((8,), float("nan") if rank == world - 1 else 1.0, device="cuda"))
     torch.cuda.synchronize()
     try:
         torch.cuda.set_sync_debug_mode("error")
