@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("version and trace-time context", ("_version", "compiled")),
     ("pytrees", ("tree",)),
     ("functional model: values and checks", ("materialize", "params_check", "data_access", "reparametrize")),
-    ("the interpreter", ("interpret",)),
+    ("the interpreter", ("donation", "interpret")),
     ("autodiff", ("autodiff", "recompute")),
     ("functional model: the call", ("model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist")),

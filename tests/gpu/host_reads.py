@@ -116,12 +116,12 @@ def steady_state(wrap, kind: str, rank: int) -> str | None:
     step, state = build(wrap, kind)
     data = batches(rank, 4)
     for b in data[:2]:
-        state, metrics = step(state, b)
+        state, _ = step(state, b)
     torch.cuda.synchronize()
     try:
         torch.cuda.set_sync_debug_mode("error")
         for b in data[2:]:
-            state, metrics = step(state, b)
+            state, _ = step(state, b)
     except RuntimeError:
         return traceback.format_exc(limit=-6)
     finally:
@@ -163,7 +163,7 @@ def main() -> int:
     distributed = "RANK" in os.environ
     if distributed:
         dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     failures = 0
