@@ -2,10 +2,13 @@
 
 Its gradients are NaN, and a transformed step updates the state it was given
 in place (donation): applied, the update would overwrite the last good weights
-with NaN, on every rank, without a word. `zf.value_and_grad` refuses a
-non-finite loss before anything is updated (on every rank under `shard`, when
-one rank's loss is), so the state it was given is unchanged and the run can go
-on from it; ``allow_nonfinite=True`` differentiates it anyway. Under fp16 loss
+with NaN, on every rank, without a word. In a transformed step
+`zf.value_and_grad` checks the loss on the device, without a host read: the
+update is skipped there (on every rank under `shard`, when one rank's loss is),
+the state the step returns holds the values it was given, and its next use
+(the next step, ``gather``) raises naming the step; the run can go on from it
+after that. A plain step (no transform) raises at once, before its update;
+``allow_nonfinite=True`` differentiates it anyway. Under fp16 loss
 scaling the scaler skips such steps instead (tested with mixed_precision).
 """
 
@@ -56,6 +59,19 @@ def _step(allow_nonfinite: bool = False):
     return params, step
 
 
+def _raises_at_next_use(stepped, state, before: dict, step_number: int, *words: str) -> None:
+    """``state`` came back from a step whose loss was NaN/inf: it holds ``before``'s values; its next use raises
+    once, naming the step; then the run goes on from it."""
+    if not isinstance(stepped, zf.Transform):
+        return
+    clear_error(lambda: stepped(state, make_batch(seed=1)), "loss is (nan|inf)", f"step={step_number}",
+                "skipped its update", "allow_nonfinite", *words, exc=FloatingPointError)
+    assert_same(zf.gather(stepped, state), before)  # unchanged (element-wise), and still usable:
+    assert int(state.step) == step_number
+    state, _ = stepped(state, make_batch(seed=1))
+    assert all(torch.isfinite(v).all() for v in zf.gather(stepped, state).values())
+
+
 @outcome("clear")
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("stack", list(STACKS))
@@ -66,11 +82,14 @@ def test_a_nonfinite_loss_stops_the_step_and_keeps_the_state(stack, value):
     state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.adamw(1e-2)))
     state, _ = stepped(state, make_batch(seed=0))
     before = zf.gather(stepped, state)
-    clear_error(lambda: stepped(state, poisoned(make_batch(seed=1), value)), "loss is (nan|inf)",
-                "before any update", "allow_nonfinite", exc=FloatingPointError)
-    assert_same(zf.gather(stepped, state), before)  # unchanged, and still usable:
-    state, _ = stepped(state, make_batch(seed=1))
-    assert all(torch.isfinite(v).all() for v in zf.gather(stepped, state).values())
+    if not isinstance(stepped, zf.Transform):  # a plain step: raised at once, before its update
+        clear_error(lambda: stepped(state, poisoned(make_batch(seed=1), value)), "loss is (nan|inf)",
+                    "before any update", "allow_nonfinite", exc=FloatingPointError)
+        assert_same(zf.gather(stepped, state), before)
+        return
+    state, metrics = stepped(state, poisoned(make_batch(seed=1), value))  # no host read: the update is skipped
+    assert not torch.isfinite(metrics["loss"])
+    _raises_at_next_use(stepped, state, before, 1)
 
 
 @outcome("right")
@@ -103,8 +122,9 @@ def _nan_on_one_rank(stage: int) -> dict:
     state, _ = stepped(state, make_batch(seed=rank))
     before = stepped.gather(state)
     bad = poisoned(make_batch(seed=2 + rank), float("nan")) if rank == 1 else make_batch(seed=2 + rank)
+    state, _ = stepped(state, bad)  # the update is skipped on every rank, on the device
     try:
-        stepped(state, bad)
+        stepped(state, make_batch(seed=4 + rank))
         message = None
     except FloatingPointError as err:
         message = str(err)
@@ -120,5 +140,5 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_and_keeps_the_state(stage):
     for rank, out in enumerate(run_distributed(_nan_on_one_rank, 2, stage, timeout=120)):
         assert out["message"] is not None, f"rank {rank} went on"
         clear_error(lambda: (_ for _ in ()).throw(FloatingPointError(out["message"])), "loss is", "1 rank",
-                    "before any update", exc=FloatingPointError)
+                    "step=1", "skipped its update", exc=FloatingPointError)
         assert out["unchanged"] and out["finite"], (rank, out)

@@ -10,6 +10,7 @@
 """
 
 from zfunc import deepspeed, io, optim, tree
+from zfunc._version import VERSION
 from zfunc.autodiff import grad, value_and_grad
 from zfunc.functional import FunctionalModel, ModelCall, functional
 from zfunc.interpret import Transform, gather, init, psum
@@ -17,7 +18,7 @@ from zfunc.plan import MemoryPlan, describe, plan
 from zfunc.state import TrainState
 from zfunc.transforms.accumulate import accumulate
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "deepspeed", "describe", "functional", "gather",

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from zfunc.interpret import LossCheck, current, dispatch, gradients_ready, psum
+from zfunc.interpret import Finding, current, dispatch, gradients_ready, psum
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
@@ -50,14 +50,18 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
     With ``has_aux=True``, ``fn`` returns ``(loss, aux)`` and the result is
     ``((loss, aux), grads)``; ``aux`` is returned as computed (detached).
 
-    A NaN or infinite loss raises `FloatingPointError` (on every rank under
-    `shard`) before the step updates anything, so the state it was given is
-    still usable: its gradients would be NaN and the update would overwrite
-    the weights with them. ``allow_nonfinite=True`` returns them instead. Under
-    fp16 loss scaling the scaler handles such steps (it skips them), and under
-    torch.func transforms or torch.compile the loss is not read on the host.
-    The check reads one number on the host per forward, once the forward has
-    made the loss and before its backward is issued.
+    A NaN or infinite loss never reaches the weights: its gradients would be
+    NaN and the update would overwrite the weights with them. In a transformed
+    step the check is made on the device, without a host read: the step's
+    update is skipped there (on every rank under `shard`, when one rank's loss
+    is NaN), the state it returns holds the values of the state it was given,
+    and the next use of that state (the next step, ``step.gather``, a save)
+    raises `FloatingPointError` naming the step; the state is usable after
+    that. Outside a transformed step (a plain step) the loss is read on the
+    host and the error raised at once. ``allow_nonfinite=True`` returns the
+    NaN gradients instead. Under fp16 loss scaling the scaler handles such
+    steps (it skips them), and under torch.func transforms or torch.compile
+    the loss is not checked.
 
     Under transforms the same call may run differently (accumulated over
     micro-batches, with a loss scale, on parameter shards); its meaning does
@@ -83,11 +87,11 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
 
 
 def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
-    """Raise on every rank if the loss is NaN or infinite on any (see `value_and_grad`).
+    """Skip the update, and raise at the next use of the state, if the loss is NaN or infinite on any rank (see
+    `value_and_grad`); outside a transformed step, raise now.
 
-    On a GPU inside a step the count is copied to the host behind an event and read when the update is
-    about to be issued (`zfunc.interpret.LossCheck`): the host waits for the forward that made the loss at
-    most, never for the backward, so it keeps issuing work ahead of the GPU.
+    Inside a step nothing is read on the host: the count of non-finite losses (summed over ranks) becomes the
+    step's skip flag (`zfunc.interpret.StepContext.skip_update_if`), which the update reads on the device.
     """
     ctx = current()
     if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
@@ -96,14 +100,43 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
         return
     # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code
     # may say): every rank then makes the same collectives, whatever each decides.
-    bad = psum((~torch.isfinite(loss.detach())).to(torch.float32))  # under shard: on how many ranks
+    loss = loss.detach()
+    bad = psum((~torch.isfinite(loss)).to(torch.float32))  # under shard: on how many ranks
     if allow:
         return
-    check = LossCheck(bad, loss.detach(), ctx)
-    if ctx is None or bad.device.type != "cuda":
-        check.raise_if_nonfinite()
-    else:
-        ctx.loss_checks.append(check)
+    if ctx is None:  # a plain step: nothing to defer to
+        if bad.item():
+            raise _nonfinite_loss_error(loss.item(), None, None)
+        return
+    ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.to(torch.float32)]),
+                                    functools.partial(_explain_nonfinite_loss, ctx)))
+
+
+def _explain_nonfinite_loss(ctx, values: list[float], step: int) -> FloatingPointError:
+    return _nonfinite_loss_error(values[1], ctx, (int(values[0]), step))
+
+
+def _nonfinite_loss_error(loss: float, ctx, found: tuple[int, int] | None) -> FloatingPointError:
+    """The error for a NaN/inf loss (``found``: on how many ranks, at which step; None: raised at once)."""
+    where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+    if found is None:
+        return FloatingPointError(
+            f"value_and_grad: the loss is {loss}{where}. The step stops here, before any update: the state it "
+            f"was given is unchanged and can be stepped again. {_NONFINITE_ADVICE}")
+    ranks, step = found
+    on = f" on {ranks} rank(s)" if ctx.facts.stage else ""
+    return FloatingPointError(
+        f"value_and_grad: the loss is {loss}{on} at the step given the state with step={step}{where}. That step "
+        "skipped its update before any update was written (the check is made on the device, without a host "
+        "wait, and reported here, at the next use of the state it returned): the state it returned holds the "
+        "values it was given and can be stepped again. "
+        f"{_NONFINITE_ADVICE}")
+
+
+_NONFINITE_ADVICE = (
+    "Look for the cause (a batch with NaN or inf values, a log or division of zero, a learning rate that made "
+    "the weights diverge); to differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its "
+    "gradients are NaN).")
 
 
 def grad(fn: Callable, has_aux: bool = False) -> Callable:

@@ -55,6 +55,11 @@ needs when the forward builds it.
 Facts about the stack are computed once, when the stack is built: each
 transform declares what it does (`Transform.declare`), from the innermost
 out, into one frozen `Facts`; no transform looks another up by name or type.
+
+What a step finds on the device (a NaN loss) skips its update there
+(`StepContext.skip_update_if`) and is reported at the next use of the state
+the step returned; that, and donation (a step consumes the state it is
+given), is `zfunc.donation`, whose names this module re-exports.
 """
 
 from __future__ import annotations
@@ -67,6 +72,16 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
+from zfunc.donation import (  # noqa: F401 (re-exported: the interpreter's names for what it runs)
+    Donation,
+    Finding,
+    Pending,
+    check_alive,
+    check_laid_out_by,
+    consume,
+    defer_findings,
+    forget_copies,
+)
 from zfunc.materialize import is_meta, materialized
 from zfunc.state_check import require_state
 from zfunc.tree import tree_leaves
@@ -155,17 +170,22 @@ class StepContext:
         self.facts = stack.facts
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
-        self.loss_checks: list[LossCheck] = []  # losses to read before the update (`zfunc.autodiff`)
+        # Whether this step's update is skipped (a 0-d bool on the device; None: it is not), and why: what a
+        # step found on the device (a NaN loss, fp16 overflow at the minimum scale) without reading it on the
+        # host. The update reads ``skip`` on the device; the findings are raised at the next use of the state.
+        self.skip: torch.Tensor | None = None
+        self.findings: list[Finding] = []
         # Where gradients are summed across micro-batches, if anywhere (`accumulate`'s accumulator): `shard`
         # adds each unit's reduced gradient into it as soon as the reduction lands, then frees the unit's.
         self.grad_sink: Any = None
 
-    def finish_loss_checks(self) -> None:
-        """Raise if a loss this step made was NaN or infinite (see `LossCheck`); called before the update."""
-        checks, self.loss_checks = self.loss_checks, []
-        for check in checks:
-            check.raise_if_nonfinite()
-
+    def skip_update_if(self, flag: torch.Tensor, finding: Finding | None = None) -> None:
+        """Skip this step's update where ``flag`` (0-d, on the device) is nonzero, without a host read; with
+        ``finding``, an error to raise at the next use of the state the step returns (see `Finding`)."""
+        flag = flag.detach() != 0
+        self.skip = flag if self.skip is None else self.skip | flag
+        if finding is not None:
+            self.findings.append(finding)
 
     def of(self, transform: Transform) -> Any:
         """``transform``'s per-call scratch."""
@@ -173,38 +193,6 @@ class StepContext:
             return self.scratch[id(transform)]
         except KeyError:
             raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
-
-
-class LossCheck:
-    """Whether a loss was NaN or infinite (on how many ranks: ``count`` is summed over them), readable on
-    the host without waiting for more than the forward that made it: on a GPU the count is copied to
-    page-locked memory behind an event, and reading waits for that event only."""
-
-    def __init__(self, count: torch.Tensor, loss: torch.Tensor, ctx: StepContext | None) -> None:
-        self.loss, self.where = loss, ctx
-        if count.device.type == "cuda":
-            self.count = torch.empty((), dtype=count.dtype, pin_memory=True)
-            self.count.copy_(count, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        else:
-            self.count, self.ready = count, None
-
-    def raise_if_nonfinite(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-        bad = int(self.count.item())
-        if not bad:
-            return
-        ctx = self.where
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
-        ranks = f" on {bad} rank(s)" if ctx is not None and ctx.facts.stage else ""
-        raise FloatingPointError(
-            f"value_and_grad: the loss is {self.loss.item()}{ranks}{where}. The step stops here, before any "
-            "update: the state it was given is unchanged and can be stepped again. Look for the cause (a batch "
-            "with NaN or inf values, a log or division of zero, a learning rate that made the weights "
-            "diverge); to differentiate it anyway pass zf.value_and_grad(fn, allow_nonfinite=True) (its "
-            "gradients are NaN).")
 
 
 _CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
@@ -373,7 +361,6 @@ class Transform:
             check_copies(state, self)
             try:
                 out = self._run(ctx, state, batch)
-                ctx.finish_loss_checks()  # (a step that took gradients without an update still reports)
             except BaseException:
                 if ctx.state_consumed:
                     consume(state, f"{self!r}, which failed after it began updating it in place")
@@ -382,6 +369,8 @@ class Transform:
                 consume(state, f"{self!r}")
             if isinstance(out, tuple) and out:
                 stamp_copies(out[0], self)
+                if ctx.findings:  # raised at the next use of the state returned (`check_alive`)
+                    defer_findings(out[0], Pending(ctx.findings, state.step))
             return out
         finally:
             _CONTEXT.reset(token)
@@ -493,11 +482,8 @@ class Transform:
     def gather_params(self, state, next: Callable) -> dict[str, torch.Tensor]:
         return next(state)
 
-    def plan(self, loss_fn: Callable, batch: Any, params: dict, **budgets: Any):
-        """The memory plan of this stack per tier and rank (`zfunc.plan.plan`, its arguments)."""
-        from zfunc.plan import plan
-
-        return plan(self, loss_fn, batch, params, **budgets)
+    # ``step.plan(loss_fn, batch, params, **budgets)``, the memory plan of this stack, is `zfunc.plan.plan`,
+    # which attaches itself here (the planner is a layer above the interpreter: it is not imported from here).
 
     # -- display ---------------------------------------------------------
     def settings(self) -> dict[str, Any]:
@@ -544,47 +530,12 @@ def fresh_copies(tensors: dict[str, torch.Tensor], state) -> dict[str, torch.Ten
             else v for k, v in tensors.items()}
 
 
-# --------------------------------------------------------------------------
-# Donation: a step consumes the state it is given (JAX's donate_argnums).
-
-
-class Donation:
-    """Whether a state is still usable; a step marks the state it consumed as dead.
-
-    Transformed steps update the state's buffers in place (that is how they
-    keep ZeRO's memory), so after ``new = step(state, batch)`` the old
-    ``state`` holds half-old, half-new values. Using it again through zfunc
-    raises instead of computing on them.
-    """
-
-    __slots__ = ("dead", "stamp")
-
-    def __init__(self) -> None:
-        self.dead: str | None = None  # None: alive; else what consumed it
-        # ``(identity, version)`` of the tensors a stack keeps consistent with each other (`Transform.copies`),
-        # as the step that returned the state left them; None: not recorded (a copy, a restored template).
-        self.stamp: dict[str, tuple[int, int]] | None = None
-
-    def __deepcopy__(self, memo) -> Donation:
-        copied = Donation()  # (a deep copy holds other tensors: the stamp does not describe them)
-        copied.dead = self.dead
-        return copied
-
-
 def stamp_copies(state, outermost: Transform) -> None:
     """Record, on ``state``, the identity and version of the tensors that ``outermost`` and the transforms
     it wraps keep consistent."""
     donation = getattr(state, "donation", None)
     if isinstance(donation, Donation):
         donation.stamp = {name: (id(t), t._version) for name, t in _copies(state, outermost).items()}
-
-
-def forget_copies(state) -> None:
-    """Drop ``state``'s record of its copies: zfunc wrote into its tensors outside a step (a restore, a
-    pretrained load), consistently; the next step records them afresh."""
-    donation = getattr(state, "donation", None)
-    if isinstance(donation, Donation):
-        donation.stamp = None
 
 
 def check_copies(state, outermost: Transform) -> None:
@@ -620,44 +571,6 @@ def _copies(state, outermost: Transform) -> dict[str, torch.Tensor]:
     for transform in _wrapped(outermost):
         out.update(transform.copies(state))
     return out
-
-
-def consume(state, by: str) -> None:
-    """Mark ``state`` dead (consumed by ``by``), if it is a state that tracks donation."""
-    donation = getattr(state, "donation", None)
-    if isinstance(donation, Donation) and donation.dead is None:
-        donation.dead = by
-
-
-def check_laid_out_by(state, names: set[str], what) -> None:
-    """Refuse a state laid out by transforms that ``what`` (a step; formatted only for the error, never
-    while torch.compile traces) does not have.
-
-    A transform keeps its own state in ``state.extras[its name]`` (the fp32
-    master, the shard layout); a step without that transform would silently
-    train the wrong tensors (the compute copy instead of the master, say).
-    """
-    extras = getattr(state, "extras", None)
-    foreign = sorted(k for k in extras if k not in names) if isinstance(extras, dict) else []
-    if foreign:
-        raise ValueError(
-            f"this state was laid out by {', '.join(foreign)} (state.extras holds their state), but it is run "
-            f"by {what}, which does not have {'them' if len(foreign) > 1 else 'it'}: the step would train the "
-            "wrong tensors. Run it with the transformed step that made it (step.init(...) then step(state, "
-            "batch)); to change transforms, start from step.gather(state) or restore a checkpoint into the new "
-            "step's init (zfunc.io.restore(dir, like=new_step.init(...))).")
-
-
-def check_alive(state, what: str) -> None:
-    """Raise a clear error if ``state`` was consumed by an earlier step."""
-    donation = getattr(state, "donation", None)
-    if isinstance(donation, Donation) and donation.dead is not None:
-        raise ValueError(
-            f"{what} was given a state that {donation.dead} already consumed: a transformed step updates the "
-            "state it is given in place (donation, as in JAX), so that state is dead. Use the state the step "
-            "returned; to keep a snapshot, copy it before the step with copy.deepcopy(state) (which keeps the "
-            "buffers the layout shares, e.g. shard's flat per-unit buffers; a per-tensor clone loses them) or "
-            "take step.gather(state).")
 
 
 def init(step: Callable, state, *, init_device="cpu"):

@@ -445,3 +445,12 @@ def _file_backed(storage) -> bool:
         return bool(storage.filename)
     except (AttributeError, RuntimeError):
         return False
+
+
+def _plan_method(self: Transform, loss_fn: Callable, batch: Any, params: dict, **budgets: Any) -> MemoryPlan:
+    """The memory plan of this stack per tier and rank: ``zf.plan(step, loss_fn, batch, params, **budgets)``."""
+    return plan(self, loss_fn, batch, params, **budgets)
+
+
+# ``step.plan(...)``: attached by the planner, which sits above the interpreter (`Transform` cannot import it).
+Transform.plan = _plan_method

@@ -29,6 +29,7 @@ The plain, untransformed step is pure and consumes nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from zfunc.compiled import tracing
 from zfunc.interpret import Donation, UpdateRequest, Updated, check_laid_out_by, current, dispatch
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.fused import fused_update
-from zfunc.tree import describe_mismatch, register_pytree_node, tree_structure
+from zfunc.tree import describe_mismatch, register_pytree_node, tree_map, tree_structure
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,7 @@ class TrainState:
         # The record of what a stack keeps consistent carries over, so that a compute copy or master swapped
         # in by ``replace`` is refused like one edited in place (`zfunc.interpret.check_copies`).
         donation.stamp = self.donation.stamp
+        donation.pending = self.donation.pending  # (an error the step that made it found: raised at next use)
         return dataclasses.replace(self, donation=donation, **changes)
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
@@ -107,22 +109,26 @@ class TrainState:
         Returns:
           The new state.
         """
-        ctx = current()
-        if ctx is not None:
-            ctx.finish_loss_checks()  # a NaN loss stops the step here, before the update writes anything
         return dispatch("apply_gradients", plain_apply_gradients, self, grads, UpdateRequest()).state
 
 
 def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], request: UpdateRequest) -> Updated:
-    """The ``apply_gradients`` primitive's plain implementation: the optimizer on ``state.params``."""
-    if current() is None:
+    """The ``apply_gradients`` primitive's plain implementation: the optimizer on ``state.params``.
+
+    A step whose update is skipped on the device (`zfunc.interpret.StepContext.skip`: a NaN loss) keeps the
+    parameters, the optimizer state and the step count (``step + ~skip``), without a host read.
+    """
+    ctx = current()
+    if ctx is None:
         check_laid_out_by(state, set(), "a plain step (no transforms)")
     check_grads_match(state.params, grads)
     params, opt_state, copy = dispatch("update_params", plain_update_params, state.tx, state.params, grads,
                                        state.opt_state, request)
     if copy is None and request.compute_dtype is not None:
         copy = {k: v.to(request.compute_dtype) for k, v in params.items()}
-    return Updated(state.replace(step=state.step + 1, params=params, opt_state=opt_state), copy)
+    skip = ctx.skip if ctx is not None else None
+    step = state.step + 1 if skip is None else state.step + (~skip).to(state.step.dtype)
+    return Updated(state.replace(step=step, params=params, opt_state=opt_state), copy)
 
 
 def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt_state: Any,
@@ -137,15 +143,21 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     other optimizer, the pure update (`pure_update`).
     """
     ctx = current()
+    skip = ctx.skip if ctx is not None else None  # skip the update on the device (see `plain_apply_gradients`)
     # (Under torch.compile the pure update: dynamo cannot trace the kernels, and Inductor fuses it.)
     if ctx is not None and ctx.facts.fused_update and tx.fused is not None and not tracing():
         done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
-                            request.host_threads)
+                            request.host_threads, skip=skip)
         if done is not None:
             ctx.state_consumed = True
             return done
-    params, opt_state = pure_update(tx, params, grads, opt_state)
-    return params, opt_state, None
+    new_params, new_opt_state = pure_update(tx, params, grads, opt_state)
+    if skip is not None:  # branch-free: the old values where skipped
+        keep = functools.partial(torch.where, skip)
+        new_params = tree_map(lambda new, old: keep(old, new), new_params, params)
+        new_opt_state = tree_map(lambda new, old: keep(old, new) if isinstance(new, torch.Tensor) else new,
+                                 new_opt_state, opt_state)
+    return new_params, new_opt_state, None
 
 
 def pure_update(tx: GradientTransformation, params: Any, grads: Any, opt_state: Any):

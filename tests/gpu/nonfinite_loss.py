@@ -1,8 +1,9 @@
-"""On a GPU: a NaN loss stops the step before its update (the check waits for the forward only).
+"""On a GPU: a NaN loss skips the step's update on the device; the next call raises, the state kept.
 
 Run: ``torchrun --nproc-per-node N tests/gpu/nonfinite_loss.py`` (N = 1 or 2). Prints ``ok`` per stack
 and exits non-zero on a failure. CPU tests cover the same semantics (tests/test_adversarial_nonfinite.py);
-this covers the GPU route, where the count of non-finite losses reaches the host behind a CUDA event.
+this covers the GPU route, where the count of non-finite losses is the update kernel's skip flag and
+reaches the host behind a CUDA event, read at the next call (`zfunc.interpret.Pending`).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ def main() -> int:
         # own run: all of them get the NaN.
         poisoned = name == "bf16" or rank == dist.get_world_size() - 1
         bad = torch.full((8,), float("nan") if poisoned else 1.0, device="cuda")
+        state, _ = stepped(state, (x, y, bad))  # skipped on the device, no host wait; the next call raises
         try:
-            stepped(state, (x, y, bad))
+            stepped(state, (x, y, good))
             ok, why = False, "no error"
         except FloatingPointError as err:
             after = stepped.gather(state)

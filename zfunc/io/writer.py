@@ -14,8 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-import zfunc
 from zfunc import dist
+from zfunc._version import VERSION
 from zfunc.interpret import check_alive
 from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
@@ -287,7 +287,7 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         layout_json = layout.to_json()
         del layout_json["rank"]
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "zfunc_version": zfunc.__version__,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "zfunc_version": VERSION,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": plan.step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,

@@ -23,6 +23,8 @@ kernels' docstrings state the arithmetic).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import weakref
 from typing import Any, Callable, Literal
 
 import torch
@@ -77,12 +79,18 @@ class AdamSpec:
     def lr_state(self, opt_state) -> ScaleByLearningRateState:
         return _at(opt_state, self.lr_path, ScaleByLearningRateState)
 
-    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor):
+    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor, skip: torch.Tensor | None = None):
         """The optimizer state after one update whose new moments are ``mu``/``nu`` (exactly the
-        state ``tx.update`` would return: counts + 1, the rate used)."""
+        state ``tx.update`` would return: counts + 1, the rate used); where ``skip`` (a 0-d bool on the
+        device) is set, the counts and rate stay."""
         adam, rate = self.adam_state(opt_state), self.lr_state(opt_state)
-        opt_state = _replace_at(opt_state, self.adam_path, ScaleByAdamState(adam.count + 1, mu, nu))
-        return _replace_at(opt_state, self.lr_path, ScaleByLearningRateState(rate.count + 1, lr))
+        if skip is not None:
+            one = (~skip).to(adam.count.dtype)
+            lr = torch.where(skip, rate.learning_rate, lr)
+        else:
+            one = 1
+        opt_state = _replace_at(opt_state, self.adam_path, ScaleByAdamState(adam.count + one, mu, nu))
+        return _replace_at(opt_state, self.lr_path, ScaleByLearningRateState(rate.count + one, lr))
 
     def weight_decays(self, params: dict) -> dict[str, float]:
         if self.mode == "adam" or self.mask is None:
@@ -132,7 +140,8 @@ def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
 
 
 def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
-                 compute_into: dict | None = None, host_threads: int | None = None):
+                 compute_into: dict | None = None, host_threads: int | None = None,
+                 skip: torch.Tensor | None = None):
     """One Adam/AdamW update through the fused kernels, in place; None if they cannot take these tensors.
 
     Computes what ``tx.update`` and ``apply_updates`` compute (see the module
@@ -151,6 +160,8 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
       compute_into: where to write them, per key (used where dtype and size fit and the device is the
         state's or the gradient's; elsewhere new tensors).
       host_threads: threads for the CPU kernel (default: torch's).
+      skip: a 0-d bool tensor on the device; where set, nothing is updated (the GPU kernel reads it on the
+        device; the host kernel, which needs its numbers on the host anyway, reads it there).
     Returns:
       ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
     """
@@ -166,12 +177,13 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
-    copy = _compute_targets(params, grads, compute_dtype, compute_into) if compute_dtype is not None else None
+    copy = _compute_targets(params, grads, compute_dtype, compute_into, skip) if compute_dtype is not None else None
     operands = [params, grads, mu, nu, *([copy] if copy is not None else [])]
     keys = [k for k, p in params.items() if p.numel()]
-    host = _HostKernel(spec, lr, step, divisor, host_threads)
+    host = _HostKernel(spec, lr, step, divisor, host_threads, skip)
+    found = None if skip is None else skip.to(torch.float32)
     streamed = []
-    for run in contiguous_runs(keys, operands, decays):
+    for run in contiguous_runs(keys, operands, decays, cache=spec.tables):
         p, g, m, v, *out = (span_of(d, run) for d in operands)
         target = out[0] if out else None
         decay = decays[run[0]]
@@ -183,27 +195,49 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             else:
                 streamed.append((p, g, m, v, target, decay, None))
         elif p.device.type == "cpu":
+            if host.skipped:
+                continue
             host(p, g, m, v, target if out_dtype is not None else None, decay)
             if target is not None and out_dtype is None:
                 target.copy_(p)
             for t in (p, m, v):  # state in NVMe tier files: back to the drive, out of host memory
                 page_out(t)
         else:
-            _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor)
-    if streamed:
+            _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor, found)
+    if streamed and not host.skipped:
         from zfunc.optim.streamed import streamed_update  # noqa: PLC0415
 
         streamed_update(streamed, host, out_dtype)
-    return params, spec.advanced(opt_state, mu, nu, lr), copy
+    return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
 
 
 class _HostKernel:
-    """The numba Adam/AdamW over one run or chunk: ``kernel(p, g, m, v, out_lowp, weight_decay)``."""
+    """The numba Adam/AdamW over one run or chunk: ``kernel(p, g, m, v, out_lowp, weight_decay)``.
 
-    def __init__(self, spec: AdamSpec, lr, step, divisor, threads) -> None:
+    Its numbers (rate, step, clip divisor, skip flag) are read on the host when first needed, by a run
+    whose state lives on the host: a step whose state is all on the GPU reads nothing."""
+
+    def __init__(self, spec: AdamSpec, lr, step, divisor, threads, skip=None) -> None:
         self.spec, self.threads = spec, threads
-        self.lr, self.step = float(lr), int(step)
-        self.scale = 1.0 if divisor is None else float(divisor)
+        self._numbers = (lr, step, divisor, skip)
+
+    @functools.cached_property
+    def skipped(self) -> bool:
+        skip = self._numbers[3]
+        return skip is not None and bool(skip)
+
+    @functools.cached_property
+    def lr(self) -> float:
+        return float(self._numbers[0])
+
+    @functools.cached_property
+    def step(self) -> int:
+        return int(self._numbers[1])
+
+    @functools.cached_property
+    def scale(self) -> float:
+        divisor = self._numbers[2]
+        return 1.0 if divisor is None else float(divisor)
 
     def __call__(self, p, g, m, v, out_lowp, weight_decay) -> None:
         from zfunc.kernels.cpu_adam import adamw_  # noqa: PLC0415 (numba loads lazily)
@@ -213,25 +247,30 @@ class _HostKernel:
                step=self.step, mode=spec.mode, grad_scale=self.scale, out_lowp=out_lowp, num_threads=self.threads)
 
 
-def _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor) -> None:
+def _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step, divisor, found=None) -> None:
     """One run on the GPU kernel; the new parameters into ``target`` (on another device: through a
-    buffer on this one)."""
+    buffer on this one); nothing where ``found`` (a 0-d tensor on the device) is nonzero."""
     from zfunc.kernels.gpu_adam import adam_flat_  # noqa: PLC0415
 
     out = target if target is not None and target.device == p.device and out_dtype is not None else None
     if target is not None and out is None and out_dtype is not None:
         out = torch.empty(p.numel(), dtype=out_dtype, device=p.device)
+        if found is not None:  # a skipped update writes nothing into it: the unchanged parameters then
+            out.copy_(p)
     adam_flat_(p, g, m, v, _segments(spec, run, params, decays), lr=lr.to(p.device), step=step.to(p.device),
                beta1=spec.b1, beta2=spec.b2, eps=spec.eps, mode=spec.mode,
-               grad_scale=None if divisor is None else divisor.to(p.device), out_lowp=out)
+               grad_scale=None if divisor is None else divisor.to(p.device), out_lowp=out,
+               found_inf=None if found is None else found.to(p.device))
     if target is not None and (out is None or out is not target):
         target.copy_(out if out is not None else p, non_blocking=target.device.type == "cuda")
 
 
-def _compute_targets(params: dict, grads: dict, dtype: torch.dtype, into: dict | None) -> dict:
+def _compute_targets(params: dict, grads: dict, dtype: torch.dtype, into: dict | None,
+                     skip: torch.Tensor | None = None) -> dict:
     """Where each parameter's new compute copy goes: ``into[k]`` where it fits (dtype, size, contiguous,
     on the state's or the gradient's device), else a new tensor laid out like the params (on the
-    gradient's device for state on the host)."""
+    gradient's device for state on the host; holding the parameters' values already where the update
+    may be skipped, which then writes nothing)."""
     out: dict[str, torch.Tensor] = {}
     fresh: dict[str, torch.Tensor] = {}
     for k, p in params.items():
@@ -246,6 +285,8 @@ def _compute_targets(params: dict, grads: dict, dtype: torch.dtype, into: dict |
         for k, t in made.items():
             g = grads[k]
             out[k] = t.to(g.device) if g.device != t.device else t
+            if skip is not None:
+                out[k].copy_(params[k])
     return {k: out[k] for k in params}
 
 
@@ -288,12 +329,55 @@ def laid_out_like(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 # Flat spans of per-parameter views: fused kernels take a whole run at once.
 
 
-def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None) -> list[list[str]]:
+def contiguous_runs(keys: list[str], operands: list[dict], same: dict | None = None,
+                    cache: dict | None = None) -> list[list[str]]:
     """``keys`` split into runs that are one gap-free span, in one order, in every operand.
 
     Keys are ordered by their position in ``operands[0]``; ``same`` (key -> value):
     a run also never joins keys whose values differ (e.g. weight decays).
+
+    With ``cache`` (a dict that lives with the optimizer, `AdamSpec.tables`), the runs found for these keys
+    are reused for as long as every operand still lays them out so: an operand holding the very tensors it
+    held then (the state's master and moments, step after step) is not looked at again, and any other (the
+    step's fresh gradients) is checked run by run. A step then costs one identity check per tensor instead
+    of a sort and a comparison of every neighbouring pair in every operand.
     """
+    if cache is None:
+        return _find_runs(keys, operands, same)
+    signature = ("runs", len(operands), tuple(keys), None if same is None else tuple(same[k] for k in keys))
+    found = cache.get(signature)
+    if found is not None:
+        runs, held = found
+        if all(_still_runs(runs, d, refs) for d, refs in zip(operands, held)):
+            return runs
+    runs = _find_runs(keys, operands, same)
+    cache[signature] = (runs, [{k: weakref.ref(d[k]) for k in keys} for d in operands])
+    return runs
+
+
+def _still_runs(runs: list[list[str]], d: dict, refs: dict) -> bool:
+    """Whether every run is still one gap-free span of ``d``, in order: at once where ``d`` holds the tensors
+    ``refs`` point to (a view's storage and offsets never change), else by looking at each run."""
+    if all(refs[k]() is d[k] for run in runs for k in run):
+        return True
+    for run in runs:
+        first = d[run[0]]
+        if not first.is_contiguous():
+            return False
+        if len(run) == 1:
+            continue
+        ptr, dtype, device = first.untyped_storage().data_ptr(), first.dtype, first.device
+        end = first.storage_offset() + first.numel()
+        for k in run[1:]:
+            t = d[k]
+            if (t.storage_offset() != end or t.untyped_storage().data_ptr() != ptr or t.dtype != dtype
+                    or t.device != device or not t.is_contiguous()):
+                return False
+            end += t.numel()
+    return True
+
+
+def _find_runs(keys: list[str], operands: list[dict], same: dict | None) -> list[list[str]]:
     keys = sorted(keys, key=lambda k: (operands[0][k].untyped_storage().data_ptr(),
                                        operands[0][k].storage_offset()))
     runs: list[list[str]] = []

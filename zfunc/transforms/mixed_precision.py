@@ -68,7 +68,8 @@ semantics; the knobs are keyword arguments of `mixed_precision`):
   under `shard` all ranks agree and skip together;
 - overflow: if ``hysteresis_left > 1`` it is decremented (scale kept);
   otherwise the scale halves (not below ``min_loss_scale``) — and if the
-  scale already *was* ``min_loss_scale`` a `FloatingPointError` is raised;
+  scale already *was* ``min_loss_scale`` a `FloatingPointError` is raised
+  at the next use of the state the step returned (the step skipped);
 - no overflow: ``good_steps`` counts good steps since the last overflow
   (before this one). When it is a positive multiple of
   ``loss_scale_window`` the scale doubles and ``hysteresis_left`` is
@@ -81,8 +82,10 @@ bf16 and fp32 policies have no loss scale (fixed 1): gradients are not
 checked and nothing is skipped, exactly like the plain step (NaNs propagate).
 
 Metrics gain ``loss_scale`` (the scale in the returned state, i.e. the one
-the next step uses) and ``skipped`` (bool 0-d tensor). Deciding to skip reads
-one scalar from the device per fp16 step (as DeepSpeed does).
+the next step uses) and ``skipped`` (bool 0-d tensor). Skipping reads
+nothing on the host: the update reads the flag on the device
+(`zfunc.interpret.StepContext.skip_update_if`), unlike DeepSpeed, which reads
+one scalar per fp16 step.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ from torch import nn
 
 from zfunc.autodiff import split_loss
 from zfunc.compiled import tracing
-from zfunc.interpret import Facts, Transform, UpdateRequest, Updated, psum
+from zfunc.interpret import Facts, Finding, Transform, UpdateRequest, Updated, current, psum
 from zfunc.tree import tree_map, tree_map_tensors
 
 DTypeName = Literal["fp32", "bf16", "fp16"]
@@ -284,11 +287,12 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         return facts.replace(compute_dtype=pol.compute, master_dtype=pol.param, reduce_dtype=pol.reduce,
                              loss_scaling=self.scaling)
 
-    def _policy_codes(self, device) -> torch.Tensor:
+    def _policy_codes(self, device) -> torch.Tensor | list[int]:
+        """The codes of this policy: a tensor on ``device``; a list for ``device=None``."""
         pol = self.policy
         codes = [_CODES[pol.param_dtype], _CODES[pol.compute_dtype], _CODES[pol.output_dtype],
                  _CODES[pol.reduce_dtype], _SCALING_CODES[self.scaling]]
-        return torch.tensor(codes, dtype=torch.int64, device=device)
+        return codes if device is None else torch.tensor(codes, dtype=torch.int64, device=device)
 
     def settings(self) -> dict[str, Any]:
         out: dict[str, Any] = {"policy": self.policy.short()}
@@ -358,8 +362,8 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             expected = self._policy_codes(mp.policy.device)
             torch._assert_async((mp.policy == expected).all(), _POLICY_MISMATCH)
             return mp
-        codes = mp.policy.tolist()
-        if codes != self._policy_codes("cpu").tolist():
+        codes = _host_codes(mp.policy)
+        if codes != self._policy_codes(None):
             raise ValueError(
                 f"this state was made under another mixed-precision policy ({describe_policy_codes(codes)}) than "
                 "this step's "
@@ -524,11 +528,14 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             torch._assert_async(~at_min, self._at_min_message())
             applied = self._applied(next, state, grads, request, mp, new_mp)
             return Updated(where_tree(overflow, skipped.state, applied.state), applied.compute_copy)
-        if bool(overflow):  # the one host sync of an fp16 step
-            if bool(at_min):
-                raise FloatingPointError(self._at_min_message())
-            # Skipped: params, master, optimizer state and step stay; only the scaler moves.
-            return skipped
+        # No host read: the update is skipped on the device where it overflowed (params, master, optimizer
+        # state and step stay; only the scaler moves), and the error at the minimum scale is raised at the
+        # next use of the state (`zfunc.interpret.Finding`).
+        ctx = current()
+        ctx.skip_update_if(overflow)
+        message = self._at_min_message()
+        ctx.findings.append(Finding(at_min.to(torch.float32).reshape(1), lambda values, step: FloatingPointError(
+            f"{message} (at the step given the state with step={step}; its update was skipped)")))
         return self._applied(next, state, grads, request, mp, new_mp)
 
     def _at_min_message(self) -> str:
@@ -573,6 +580,16 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         new_hyst = torch.where(overflow, on_overflow, on_good)
         new_good = torch.where(overflow, torch.zeros_like(good), good + 1)
         return MixedPrecisionState(mp.master, new_scale, new_good, new_hyst, skipped_steps, mp.policy), at_min
+
+
+def _host_codes(policy: torch.Tensor) -> list[int]:
+    """A state's policy codes on the host: read once per tensor (again after an in-place write to it, e.g. a
+    restore), not at every step, where the read would wait for the GPU to drain its queue."""
+    seen = getattr(policy, "_zfunc_codes", None)
+    if seen is None or seen[0] != policy._version:
+        seen = (policy._version, policy.tolist())
+        policy._zfunc_codes = seen
+    return seen[1]
 
 
 def describe_policy_codes(codes: list[int]) -> str:

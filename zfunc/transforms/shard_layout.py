@@ -86,12 +86,24 @@ class UnitLayout:
 
     def shard_views(self, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
         """Per-key 1-D views of ``rank``'s flat shard."""
-        out = {}
-        for i, key in enumerate(self.keys):
-            a, b = self.local_range(i, rank)
-            pos = self.shard_position(i, rank)
-            out[key] = flat_shard[pos:pos + (b - a)]
-        return out
+        return {key: flat_shard[pos:end] for key, pos, end in self.shard_spans(rank)}
+
+    def shard_spans(self, rank: int) -> tuple[tuple[str, int, int], ...]:
+        """``(key, start, end)`` of each key's slice in ``rank``'s flat shard (cached per rank: shard views a
+        unit's shard at every step)."""
+        cache = self._spans
+        if rank not in cache:
+            spans = []
+            for i, key in enumerate(self.keys):
+                a, b = self.local_range(i, rank)
+                pos = self.shard_position(i, rank)
+                spans.append((key, pos, pos + (b - a)))
+            return remember(cache, rank, tuple(spans))
+        return cache[rank]
+
+    @cached_property
+    def _spans(self) -> dict[int, tuple[tuple[str, int, int], ...]]:
+        return {}
 
     def full_views(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-key views, in their shapes, of a gathered flat buffer."""

@@ -1,0 +1,94 @@
+"""Dependencies point downwards (ARCHITECTURE.md, "Layers"): no module imports one in a layer above its own,
+at the top of the file or inside a function (a lazy import hides the same upward dependency).
+
+The layers below are ARCHITECTURE.md's table in dependency order, lowest first (a module may import its own
+layer and the ones before it). Lazy imports of lower layers stay allowed: they defer heavy dependencies
+(numba, triton) or keep the command line quick to start.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import zfunc
+
+ROOT = pathlib.Path(zfunc.__file__).parent
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("version and trace-time context", ("_version", "compiled")),
+    ("pytrees", ("tree",)),
+    ("functional model: values and checks", ("materialize", "params_check", "data_access", "reparametrize")),
+    ("the interpreter", ("donation", "interpret")),
+    ("autodiff", ("autodiff", "recompute")),
+    ("functional model: the call", ("model_call", "blocks", "functional")),
+    ("kernels, tiers and collectives", ("kernels", "tiers", "dist")),
+    ("state and optimizers", ("optim", "state")),
+    ("transforms", ("transforms",)),
+    ("planner", ("plan",)),
+    ("checkpoints and migration", ("io", "deepspeed", "launch")),
+    ("entry points", ("cli", "__main__", "testing", "__init__")),
+]
+
+
+def _layer(module: str) -> int:
+    """The layer index of ``module`` ("zfunc.transforms.shard" -> the transforms' layer)."""
+    parts = module.split(".")[1:] or ["__init__"]
+    if parts[-1] == "__main__":  # (``python -m zfunc.io``: an entry point wherever it lives)
+        parts = ["__main__"]
+    for index, (_, names) in enumerate(LAYERS):
+        if parts[0] in names:
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to ARCHITECTURE.md's table)")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: pathlib.Path, modules: dict) -> list[tuple[int, str, bool]]:
+    """``(line, imported module, lazy)`` for each zfunc import of the file (TYPE_CHECKING blocks left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "zfunc" \
+                and not node.level:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.split(".")[0] == "zfunc"]
+        else:
+            continue
+        found += [(node.lineno, name, id(node) not in top) for name in dict.fromkeys(names)]
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    modules = _modules()
+    upward = []
+    for module, path in sorted(modules.items()):
+        mine = _layer(module)
+        for line, imported, lazy in _imports(path, modules):
+            if _layer(imported) > mine:
+                upward.append(f"{path.relative_to(ROOT.parent)}:{line} ({LAYERS[mine][0]}) imports {imported} "
+                              f"({LAYERS[_layer(imported)][0]}){' lazily' if lazy else ''}")
+    assert not upward, "imports of a layer above:\n" + "\n".join(upward)
+
+
+def test_the_check_sees_lazy_and_upward_imports(tmp_path):  # (the test above can fail)
+    source = tmp_path / "m.py"
+    source.write_text("from zfunc.tree import tree_map\n\ndef f():\n    from zfunc.plan import plan\n")
+    assert [(name, lazy) for _, name, lazy in _imports(source, _modules())] == [("zfunc.tree", False),
+                                                                               ("zfunc.plan", True)]
+    assert _layer("zfunc.plan") > _layer("zfunc.interpret")
