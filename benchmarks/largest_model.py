@@ -30,6 +30,9 @@ Contenders:
   its default optimizer for offload (DeepSpeedCPUAdam), Hugging Face gradient checkpointing;
 - ``deepspeed-nvme``: the same with parameters and optimizer state on NVMe (ZeRO-Infinity), if its async
   I/O op builds here (reported otherwise);
+- ``deepspeed-z2`` / ``deepspeed-z3``: DeepSpeed at its best for a model that fits on the GPU: ZeRO-2 / ZeRO-3
+  without offload, its default optimizer for that case (FusedAdam, from ``"type": "AdamW"``), bf16,
+  Hugging Face gradient checkpointing;
 - ``fsdp2``: ``fully_shard`` per block and the root with ``CPUOffloadPolicy`` and bf16/fp32 mixed
   precision (torchtitan's settings), torch AdamW (fused, on the CPU), gradient checkpointing.
 """
@@ -53,9 +56,10 @@ SIZES = {  # name: (n_embd, n_layer)
     "13b": (5120, 40),
     "17b": (5120, 54),
     "19b": (5120, 60),
+    "20b": (6144, 44),
     "22b": (6144, 48),
 }
-CONTENDERS = ("zfunc", "zfunc-host", "deepspeed", "deepspeed-nvme", "fsdp2")
+CONTENDERS = ("zfunc", "zfunc-host", "deepspeed", "deepspeed-nvme", "deepspeed-z2", "deepspeed-z3", "fsdp2")
 SEQ, VOCAB = 1024, 50257
 GiB = 1 << 30
 
@@ -146,7 +150,7 @@ def run_zfunc(args, device, micro_batches):
     return one, {"init_s": init_s, "planned": planned}
 
 
-def run_deepspeed(args, device, micro_batches, nvme: bool):
+def run_deepspeed(args, device, micro_batches, nvme: bool, stage: int = 3, offload: bool = True):
     import deepspeed
     import torch
     from transformers import GPT2LMHeadModel
@@ -161,11 +165,15 @@ def run_deepspeed(args, device, micro_batches, nvme: bool):
     cfg = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": micro_batches,
            "bf16": {"enabled": True}, "steps_per_print": 10**9, "wall_clock_breakdown": False,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-           "zero_optimization": {"stage": 3, "offload_param": dict(where), "offload_optimizer": dict(where),
-                                 "overlap_comm": True, "contiguous_gradients": True}}
+           "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True}}
+    if offload:
+        cfg["zero_optimization"].update(offload_optimizer=dict(where), **({"offload_param": dict(where)} if stage == 3 else {}))
     log("@phase init")
     start = time.perf_counter()
-    with deepspeed.zero.Init(config_dict_or_path=cfg):
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = GPT2LMHeadModel(config(args.size))
+    else:
         model = GPT2LMHeadModel(config(args.size))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -182,6 +190,7 @@ def run_deepspeed(args, device, micro_batches, nvme: bool):
             total += loss.detach()
         return total / micro_batches
 
+    one.engine = engine  # the driver reports which optimizer DeepSpeed chose
     return one, {"init_s": init_s}
 
 
@@ -244,6 +253,10 @@ def run_one(args) -> dict:
     try:
         if args.contender.startswith("zfunc"):
             one, extra = run_zfunc(args, device, micro_batches)
+        elif args.contender in ("deepspeed-z2", "deepspeed-z3"):
+            one, extra = run_deepspeed(args, device, micro_batches, nvme=False, stage=int(args.contender[-1]),
+                                       offload=False)
+            extra["optimizer"] = type(getattr(one.engine.optimizer, "optimizer", one.engine.optimizer)).__name__
         elif args.contender.startswith("deepspeed"):
             one, extra = run_deepspeed(args, device, micro_batches, nvme=args.contender.endswith("nvme"))
         else:
