@@ -100,8 +100,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     """
     _refuse_kv_cache((args, kwargs))
     if tracing():
-        # torch.compile: the block runs as it is and its activations stay (see `zfunc.compiled`: a
-        # recompute's backward cannot be traced correctly there), so dropout needs no replay.
+        # torch.compile: the block runs as it is (see `zfunc.compiled` for why its recompute is the
+        # partitioner's), so dropout needs no replay.
         return body(params, *args, **kwargs)
     if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
         if inputs_to_host is not None:
