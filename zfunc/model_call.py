@@ -68,6 +68,9 @@ class ModelCall:
     # gathers), and how to get the full one elsewhere: see `run_model_call`.
     partial_keys: frozenset = frozenset()
     resolve_outside: Callable[[str], torch.Tensor] | None = None
+    # What runs a wrapped block's own forward, ``block_forward(block, *args, **kwargs)`` with its params
+    # swapped in (None: the block's class's forward); `compile_blocks` hands a compiled one.
+    block_forward: Callable | None = None
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -444,17 +447,20 @@ def _merge_aliased_blocks(call: ModelCall) -> None:
 
 
 def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, structure: ModelStructure,
-                tied: bool = True) -> Any:
+                tied: bool = True, forward: Callable | None = None) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
     ``forward`` itself, not ``block(...)``: the parent's call of the block
     already ran the block's hooks once (and a recompute in backward should
     not run them again). ``tied``: whether the block holds a tensor under two
-    names; only then may swapping in need to re-tie (see `swapped`).
+    names; only then may swapping in need to re-tie (see `swapped`). ``forward``:
+    what runs it instead of its class's ``forward`` (`ModelCall.block_forward`).
     """
     watch = structure.data_watch
     with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied), \
             watch.watching(block_params) if watch is not None else contextlib.nullcontext():
+        if forward is not None:
+            return forward(block, *args, **kwargs)
         return type(block).forward(block, *args, **kwargs)
 
 
@@ -501,7 +507,8 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied)
+            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied,
+                               self.call.block_forward)
         finally:
             self._inside = was_inside
 
