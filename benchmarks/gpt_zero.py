@@ -17,7 +17,9 @@ adds the single-GPU floor (bf16 params, fp32 master, torch fused AdamW).
 under ``torch.compile(step, fullgraph=True)``: forward, backward, collectives and
 the pure AdamW update in one graph) and ``floor-compiled`` (the floor's model under
 ``torch.compile``, torch fused AdamW), each with ``compile_s``: the wall time of
-the first step (the compile) less a timed step's median. ``--contenders`` may name
+the first step (the compile) less a timed step's median. ``zfunc-s3[-checkpoint]-blocks``
+is regional compile (`zfunc.transforms.compile_blocks`: each block's forward compiled, once
+for all identical blocks; the step eager). ``--contenders`` may name
 them directly; ``--smoke`` runs the tiny model for 2 steps on whatever is there
 (the CPU with gloo when no GPU), to check the script end to end.
 """
@@ -42,7 +44,8 @@ SHAPES = {  # name: (n_embd, n_layer, n_head, micro_batch)
     "medium": (1024, 24, 16, 8),
     "1.3b": (2048, 24, 16, 4),
 }
-COMPILED = ["floor-compiled", "zfunc-s1-compiled", "zfunc-s2-compiled", "zfunc-s3-compiled"]
+COMPILED = ["floor-compiled", "zfunc-s1-compiled", "zfunc-s2-compiled", "zfunc-s3-compiled",
+            "zfunc-s3-checkpoint-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
 ALL = ["floor", "zfunc-s1", "zfunc-s2", "zfunc-s3", "zfunc-s3-recompute", "zfunc-s3-checkpoint", "zfunc-s2-offload",
        "zfunc-s3-offload", "ddp", "fsdp2", "ds-z1", "ds-z2", "ds-z3", "ds-z2-offload", "ds-z3-offload"]
 
@@ -80,10 +83,11 @@ def lm_loss(logits, tokens):
 # --------------------------------------------------------------------------- contenders
 
 
-def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False, compiled=False):
+def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False, compiled=False,
+              regional=False):
     import zfunc as zf
     from zfunc.interpret import Transform
-    from zfunc.transforms import checkpoint, mixed_precision, offload, shard
+    from zfunc.transforms import checkpoint, compile_blocks, mixed_precision, offload, shard
 
     class phases(Transform):  # noqa: N801 - observes the primitives with a PhaseClock (its configuration)
         name, level = "phases", 9
@@ -118,6 +122,9 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
         return state.apply_gradients(grads), {"loss": loss}
 
     step = mixed_precision(train_step, "bf16")
+    if regional:  # each block's forward compiled (once for all 24), the step eager
+        torch._dynamo.reset()
+        step = compile_blocks(step)
     if use_checkpoint:
         step = checkpoint(step)
     if use_offload:
@@ -432,7 +439,8 @@ def main():
             elif name.startswith("zfunc-s"):
                 r = run_zfunc(args, int(name[7]), "offload" in name, device,
                               reshard="recompute" if name.endswith("recompute") else "release",
-                              use_checkpoint=name.endswith("checkpoint"), compiled=name.endswith("compiled"))
+                              use_checkpoint="-checkpoint" in name, compiled=name.endswith("compiled"),
+                              regional=name.endswith("-blocks"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:
@@ -442,7 +450,7 @@ def main():
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
                 f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
-                + (f"  compile {r['compile_s']:.1f} s" if name.endswith("compiled") else "")
+                + (f"  compile {r['compile_s']:.1f} s" if name.endswith(("compiled", "-blocks")) else "")
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "

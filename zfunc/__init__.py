@@ -17,10 +17,11 @@ from zfunc.interpret import Transform, gather, init, psum
 from zfunc.plan import MemoryPlan, describe, plan
 from zfunc.state import TrainState
 from zfunc.transforms.accumulate import accumulate
+from zfunc.transforms.compile_blocks import compile_blocks
 
 __version__ = VERSION
 
 __all__ = [
-    "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "deepspeed", "describe", "functional", "gather",
+    "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "compile_blocks", "deepspeed", "describe", "functional", "gather",
     "grad", "init", "io", "optim", "plan", "psum", "tree", "value_and_grad",
 ]

@@ -23,7 +23,19 @@ call, so the eager step is unchanged):
 - the optimizer: the pure pytree update instead of the fused kernels (numba,
   Triton), which dynamo cannot trace; Inductor fuses the pure update itself;
 - fp16 loss scaling: the skip of an overflowing step is a ``torch.where`` on
-  the update instead of a Python branch on a host read.
+  the update instead of a Python branch on a host read;
+- a recomputed block (`checkpoint`, stage 3's recompute) runs as it is: the
+  step differentiates with `torch.func.vjp`, under which torch's checkpoint
+  region (saved-tensor hooks) is refused, and an ``autograd.Function`` that
+  re-runs the block under a nested ``torch.func.vjp`` in its backward fails
+  in functorch's level bookkeeping (torch 2.11 and 2.13). So the graph keeps
+  a block's activations, and at stage 3 its gathered weights, from forward to
+  backward; `zfunc.transforms.compile_blocks` (regional compile: the blocks
+  compiled, the step eager) keeps the eager step's memory.
+
+What needs no other route: a wrapped block's forward is routed by a
+`zfunc.model_call.BlockDispatch` installed once outside any trace, whose
+``active`` attribute dynamo traces like any object's.
 """
 
 from __future__ import annotations

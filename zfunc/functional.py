@@ -82,6 +82,13 @@ class FunctionalModel:
         call = ModelCall(self.model, params, args, kwargs, self.structure)
         return dispatch("apply", run_model_call, call)
 
+    def route_blocks(self, names: list[str]) -> None:
+        """Prepare sub-modules other than the model's blocks (``find_blocks``) that a transform will
+        wrap (``checkpoint(modules=[...])``, ``shard(units=[...])``) for a first call under
+        torch.compile: their forward is routed once, outside the trace (`zfunc.model_call.BlockDispatch`;
+        an eager call does this by itself)."""
+        self.structure.route_blocks(names)
+
     def release_module_params(self) -> None:
         """Free the template module's own trainable tensors (keep frozen ones and buffers).
 

@@ -68,6 +68,9 @@ class ModelCall:
     # gathers), and how to get the full one elsewhere: see `run_model_call`.
     partial_keys: frozenset = frozenset()
     resolve_outside: Callable[[str], torch.Tensor] | None = None
+    # What runs a wrapped block's own forward, ``block_forward(block, *args, **kwargs)`` with its params
+    # swapped in (None: the block's class's forward); `compile_blocks` hands a compiled one.
+    block_forward: Callable | None = None
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -143,6 +146,23 @@ class ModelStructure:
         self._of_type: dict = {}
         # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
         self.constant_slots: list | None = None
+        # Route the model's blocks now, outside any torch.compile trace (`BlockDispatch`): the blocks
+        # transforms wrap by default. Others are routed at the first eager call that wraps them.
+        self._dispatches: dict[str, BlockDispatch] = {}
+        self.route_blocks([name for name in self.blocks()
+                           if not isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict))])
+
+    def route_blocks(self, names: list[str]) -> None:
+        """Route these sub-modules' forward through `BlockDispatch` now (see `BlockDispatch.install`)."""
+        for name in names:
+            self.dispatch(name)
+
+    def dispatch(self, name: str) -> "BlockDispatch":
+        """Sub-module ``name``'s `BlockDispatch` (installed now if it has none; never while dynamo traces)."""
+        found = self._dispatches.get(name)
+        if found is None:
+            found = self._dispatches[name] = BlockDispatch.install(self.model.get_submodule(name), name)
+        return found
 
     @property
     def lock(self) -> Any:
@@ -427,17 +447,20 @@ def _merge_aliased_blocks(call: ModelCall) -> None:
 
 
 def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict, structure: ModelStructure,
-                tied: bool = True) -> Any:
+                tied: bool = True, forward: Callable | None = None) -> Any:
     """The innermost body: the block's own ``forward`` with its params swapped in.
 
     ``forward`` itself, not ``block(...)``: the parent's call of the block
     already ran the block's hooks once (and a recompute in backward should
     not run them again). ``tied``: whether the block holds a tensor under two
-    names; only then may swapping in need to re-tie (see `swapped`).
+    names; only then may swapping in need to re-tie (see `swapped`). ``forward``:
+    what runs it instead of its class's ``forward`` (`ModelCall.block_forward`).
     """
     watch = structure.data_watch
     with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied), \
             watch.watching(block_params) if watch is not None else contextlib.nullcontext():
+        if forward is not None:
+            return forward(block, *args, **kwargs)
         return type(block).forward(block, *args, **kwargs)
 
 
@@ -448,8 +471,8 @@ def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
 class _BlockOverride:
     """Routes a block's forward through its wrappers while a call runs.
 
-    The block's ``forward`` is replaced on the instance for the duration of
-    the call only. Inside the wrapped body the original forward must run, so
+    The block's `BlockDispatch` hands its forward to this override for the
+    duration of the call only. Inside the wrapped body the original forward must run, so
     the override steps aside while its body runs (``_inside``); a recompute in
     backward runs after the call has ended and meets the original forward.
     """
@@ -462,6 +485,8 @@ class _BlockOverride:
                 f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
                 f"it would change nothing (its parameters would get no gradient). Name the blocks inside it "
                 f"instead (e.g. '{name}.0', '{name}.1', ...).")
+        self.dispatch = call.structure.dispatch(name)
+        self._previous: _BlockOverride | None = None
         self.param_names = call.block_param_names(name)
         self.tied = call.structure.block_has_ties(name)
         prefix = f"{name}."
@@ -482,7 +507,8 @@ class _BlockOverride:
         try:
             if self.constants:
                 block_params = {**block_params, **self.constants}
-            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied)
+            return _call_block(self.block, block_params, args, kwargs, self.call.structure, self.tied,
+                               self.call.block_forward)
         finally:
             self._inside = was_inside
 
@@ -514,13 +540,72 @@ class _BlockOverride:
         return {name: (id(t), t._version) for name, t in tensors.items()}
 
     def install(self) -> None:
-        self.block.forward = self.forward
+        self._previous = self.dispatch.active
+        self.dispatch.active = self
 
     def uninstall(self) -> None:
-        self.block.__dict__.pop("forward", None)
+        self.dispatch.active, self._previous = self._previous, None
         # self.body ends in self._original: a reference cycle that would keep this call (and the
         # params it was given) alive until the next gc. Recomputes still in flight hold their
         # own reference to the body.
         self.body = None
+
+
+class BlockDispatch:
+    """A block's ``forward``, installed once per block and model: the call's override while a call
+    runs (`_BlockOverride`), the block's own ``forward`` otherwise.
+
+    Why once, and not the override itself per call: torch.compile (dynamo 2.11) decides how to call
+    a module from the module's real ``__dict__`` before it applies the writes the traced program has
+    made so far, so a ``forward`` written into the block during the trace was not seen there (the
+    block's own forward ran on the shards). A dispatch installed outside any trace is seen by every
+    version; per call only its ``active`` attribute changes, which dynamo traces like any object's
+    attribute. Outside a call it is invisible: the block runs its class's ``forward``.
+    """
+
+    __slots__ = ("block", "patched", "active")
+
+    def __init__(self, block: nn.Module, patched: Callable | None = None) -> None:
+        self.block = block
+        self.patched = patched  # a forward the user had set on the instance: still what runs outside a call
+        self.active: _BlockOverride | None = None
+
+    def forward(self, *args, **kwargs):
+        active = self.active
+        if active is not None:
+            return active.forward(*args, **kwargs)
+        if self.patched is not None:
+            return self.patched(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"block": self.block, "patched": self.patched}
+
+    def __setstate__(self, state) -> None:
+        self.block, self.patched, self.active = state["block"], state["patched"], None
+
+    @staticmethod
+    def of(block: nn.Module) -> "BlockDispatch | None":
+        """The dispatch installed on ``block``, if any."""
+        forward = block.__dict__.get("forward")
+        owner = getattr(forward, "__self__", None)
+        return owner if isinstance(owner, BlockDispatch) else None
+
+    @staticmethod
+    def install(block: nn.Module, name: str) -> "BlockDispatch":
+        """The dispatch of ``block`` (installed now if it has none; never while dynamo traces)."""
+        found = BlockDispatch.of(block)
+        if found is not None:
+            return found
+        if tracing():
+            raise RuntimeError(
+                f"torch.compile reached block {name!r}, which a transform wraps (checkpoint(modules=...), "
+                "shard(units=...)) but which zfunc has not yet routed: zfunc routes a block's forward once, "
+                "outside any trace (at zf.functional() for the model's blocks found by find_blocks, at the "
+                "first eager call for any other). Run one step eagerly before the compiled ones, or call "
+                f"apply_fn.route_blocks([{name!r}]) once before compiling.")
+        dispatch = BlockDispatch(block, block.__dict__.get("forward"))
+        block.forward = dispatch.forward
+        return dispatch
 
 

@@ -17,9 +17,8 @@ Two routes, picked per call:
   tensors a forward hook or a side list carries out (Hugging Face's
   ``output_attentions``, an MoE router's logits for its load-balancing loss)
   — gets exact gradients, as without recompute;
-- inside a `torch.func` transform (vmap for per-example gradients) or a
-  `torch.compile` trace, where saved-tensor hooks and
-  ``torch.utils.checkpoint`` are refused, an `autograd.Function` with
+- inside a `torch.func` transform (vmap for per-example gradients), where
+  saved-tensor hooks and ``torch.utils.checkpoint`` are refused, an `autograd.Function` with
   ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
   backward re-runs it under `torch.func.vjp` (``create_graph=False``). That
   route sees only the block's return value: a tensor that leaves the block
@@ -28,6 +27,10 @@ Two routes, picked per call:
   policy takes the eager route with the block's inputs held in host memory
   (``inputs_to_host``), and this route, through its ``save=`` hook, under
   torch.func.
+
+While `torch.compile` traces a whole step the block runs as it is: neither
+route traces there (`zfunc.compiled`); `zfunc.transforms.compile_blocks`
+compiles the blocks and keeps the eager route.
 
 ``params`` is the dict of tensors that gradients flow to (a block's own
 parameters, or their shards); ``args``/``kwargs`` may hold tensors (which get
@@ -100,8 +103,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     """
     _refuse_kv_cache((args, kwargs))
     if tracing():
-        # torch.compile: the block runs as it is and its activations stay (see `zfunc.compiled`: a
-        # recompute's backward cannot be traced correctly there), so dropout needs no replay.
+        # torch.compile of the whole step: the block runs as it is and its activations stay (see
+        # `zfunc.compiled`: neither route traces under the step's torch.func.vjp), so dropout needs no replay.
         return body(params, *args, **kwargs)
     if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
         if inputs_to_host is not None:

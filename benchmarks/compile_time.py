@@ -1,0 +1,194 @@
+"""Compile time of zfunc steps against the floor's ``torch.compile(model)``, cold and with a warm cache.
+
+    python benchmarks/compile_time.py                      # tiny GPT, CPU or GPU, one process per run
+    python benchmarks/compile_time.py --model medium --seq 1024 --micro-batch 8   # GPT-2 medium on a GPU
+
+Each contender runs in a fresh process (so nothing of one compile helps another) twice with one
+cache directory (``TORCHINDUCTOR_CACHE_DIR``, the FX graph and AOTAutograd caches torch keeps by
+default): **cold**, the directory empty; **warm**, the directory the cold run filled, as in a
+second run of a training script. Compile time is the first step's wall time less a later step's
+median (what the first step spent compiling); the table gives it and its ratio to the floor's cold
+and warm figures.
+
+Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel from a config):
+
+- ``floor``: ``torch.compile(model)``, forward and backward compiled, torch's AdamW eager;
+- ``zfunc-s3-compiled``: ``torch.compile(shard(mixed_precision(step), stage=3), fullgraph=True)``,
+  the whole step in one graph (every block unrolled);
+- ``zfunc-s3-blocks`` / ``zfunc-s3-checkpoint-blocks``: ``compile_blocks`` (regional compile: each
+  block's forward compiled once for all identical blocks, the step eager), without / with
+  ``checkpoint``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+CONTENDERS = ["floor", "zfunc-s3-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
+SHAPES = {"tiny": (128, 4, 4, 512), "medium": (1024, 24, 16, 50257)}  # n_embd, n_layer, n_head, vocab
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_model(args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_embd, n_layer, n_head, vocab = SHAPES[args.model]
+    cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=args.seq, vocab_size=vocab,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_loss(logits, tokens):
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def tokens(args, i, device):
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, SHAPES[args.model][3], (args.micro_batch, args.seq), generator=g).to(device)
+
+
+def floor_step(args, device):
+    model = make_model(args).to(device)
+    forward = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+    def one(i):
+        x = tokens(args, i, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = lm_loss(forward(input_ids=x, use_cache=False).logits, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return one
+
+
+def zfunc_step(args, device, name):
+    import zfunc as zf
+    from zfunc.transforms import checkpoint, compile_blocks, mixed_precision, shard
+
+    model = make_model(args).to(device)
+    apply_fn, params = zf.functional(model)
+
+    def loss_fn(p, x):
+        return lm_loss(apply_fn(p, input_ids=x, use_cache=False).logits, x)
+
+    def train_step(state, x):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, x)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = mixed_precision(train_step, "bf16")
+    if name.endswith("-blocks"):
+        step = compile_blocks(step)
+    if "-checkpoint" in name:
+        step = checkpoint(step)
+    step = shard(step, stage=3)
+    box = {"state": step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))}
+    del params
+    apply_fn.release_module_params()
+    run = torch.compile(step, fullgraph=True) if name.endswith("-compiled") else step
+
+    def one(i):
+        box["state"], metrics = run(box["state"], tokens(args, i, device))
+        return metrics["loss"]
+
+    return one
+
+
+def measure(args) -> dict:
+    """One contender in this process: the first step's time, the later steps' median."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    one = floor_step(args, device) if args.one == "floor" else zfunc_step(args, device, args.one)
+    times, loss = [], None
+    for i in range(1 + args.steps):
+        sync()
+        start = time.perf_counter()
+        loss = one(i)
+        sync()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times[1:])
+    dist.destroy_process_group()
+    return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
+            "loss": float(loss)}
+
+
+def run_one(args, name: str, cache: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 300)}
+    cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
+           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", choices=list(SHAPES))
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--json")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(measure(args)), flush=True)
+        return
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"# compile_time {args.model} mb={args.micro_batch} seq={args.seq} {device} torch {torch.__version__} "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+    results = {}
+    for name in args.contenders.split(","):
+        with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
+            results[name] = {"cold": run_one(args, name, cache), "warm": run_one(args, name, cache)}
+        print(f"  {name}: {json.dumps(results[name])}", flush=True)
+    floor = results.get("floor", {})
+    print(f"\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        cold, warm = r["cold"], r["warm"]
+        if "error" in cold or "error" in warm:
+            print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | |")
+            continue
+
+        def ratio(kind):
+            base = floor.get(kind, {}).get("compile_s")
+            return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
+
+        print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {warm['compile_s']:.1f} | {ratio('warm')} "
+              f"| {warm['step_ms']:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": device, "torch": torch.__version__, "results": results}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
