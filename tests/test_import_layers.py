@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("version and trace-time context", ("_version", "compiled")),
     ("pytrees", ("tree",)),
     ("functional model: values and checks", ("materialize", "params_check", "data_access", "reparametrize")),
-    ("the interpreter", ("donation", "interpret")),
+    ("the interpreter", ("state_check", "donation", "interpret")),
     ("autodiff", ("autodiff", "recompute")),
     ("functional model: the call", ("model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist")),
@@ -28,6 +28,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planner", ("plan",)),
     ("checkpoints and migration", ("io", "deepspeed", "launch")),
     ("entry points", ("cli", "__main__", "testing", "__init__")),
+    # Built on the public API (``import zfunc as zf``) like a user's code; optional dependencies.
+    ("trainer integrations", ("hf", "lightning")),
 ]
 
 
