@@ -17,6 +17,8 @@ primitive              what it means                                      dispat
 ``apply_gradients``    one optimizer update of a state                    `TrainState.apply_gradients`
 ``update_params``      the optimizer arithmetic on (params, grads, state) the plain apply_gradients
 ``psum``               sum a per-shard partial quantity over shards       norms, overflow checks
+``sum_of_squares``     Σ x² of a param-shaped tree, each element counted  `optim.global_norm`
+                       once over the ranks that hold it
 =====================  =================================================  ==========================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition
@@ -68,9 +70,10 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 
 from zfunc.materialize import is_meta, materialized
-from zfunc.tree import tree_leaves
+from zfunc.tree import tree_leaves, tree_sum_of_squares
 
-PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
+PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum",
+              "sum_of_squares")
 
 Tier = Literal["device", "host", "nvme"]
 
@@ -96,6 +99,7 @@ class Facts:
       micro_batches: forward/backward passes per update (`accumulate`).
       recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
         with ``reshard="recompute"``): activations of one block, not of all.
+      tp: the tensor-parallel degree (`tensor_parallel`): sharded parameters hold 1/tp of their elements.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -110,6 +114,7 @@ class Facts:
     fused_update: bool | None = None  # None: nobody declared; the pure update
     micro_batches: int = 1
     recompute: bool = False
+    tp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
         return dataclasses.replace(self, **changes)
@@ -267,6 +272,17 @@ def _identity(x):
     return x
 
 
+def sum_of_squares(tree: Any) -> torch.Tensor:
+    """Σ x² over the elements of ``tree`` (param-shaped: a dict keyed like the params, or any pytree) that
+    this rank should count, as float32 (``psum`` of it is the global squared norm).
+
+    Without transforms every element counts. Under `tensor_parallel` a parameter replicated over the
+    tp ranks (a norm's weight, a row-parallel bias) is counted on one of them only, so that ``psum``
+    over tp adds each element once.
+    """
+    return dispatch("sum_of_squares", tree_sum_of_squares, tree)
+
+
 def gradients_ready(grads: Any) -> Any:
     """Tell the stack that a backward pass returned ``grads`` (see the module docstring)."""
     return dispatch("gradients_ready", _identity, grads)
@@ -339,7 +355,7 @@ class Transform:
             if inner.level > self.level:
                 raise ValueError(
                     f"{self.name}(...) cannot wrap {inner.name}(...): {inner.name} must be the outer one. "
-                    f"Order transforms as shard(offload(compute_transforms(step))), e.g. "
+                    f"Order transforms as shard(offload(pipeline(tensor_parallel(compute_transforms(step))))), e.g. "
                     f"{inner.name}({self.name}(step)) instead of {self.name}({inner.name}(step)).")
         self.step = step
 
@@ -471,7 +487,15 @@ class Transform:
           A dict of fresh tensors: later steps do not change them.
         """
         check_alive(state, f"{self.name}(...).gather")
-        return fresh_copies(self._gather(state), state)
+        full = self._gather(state)
+        for transform in _wrapped(self):  # e.g. tensor_parallel's all-gather over its dim, after shard's
+            full = transform.complete_gather(full, state)
+        return fresh_copies(full, state)
+
+    def complete_gather(self, params: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
+        """The parameters the outermost transform's gather collected, made whole along this transform's own
+        mesh dimension (default: as they are). Runs after every ``gather_params``, outermost first."""
+        return params
 
     def _gather(self, state) -> dict[str, torch.Tensor]:
         inner = self.step._gather if isinstance(self.step, Transform) else _plain_gather
