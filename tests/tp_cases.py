@@ -42,8 +42,10 @@ def make_step(kind: str, opt: str = "clip", **model_kwargs):
     model = make_model(kind, **model_kwargs)
     apply_fn, params = zf.functional(model)
 
+    extra = {} if kind == "bert" else {"use_cache": False}  # (a cache would be replayed by checkpoint's recompute)
+
     def loss_fn(params, batch):
-        logits = apply_fn(params, input_ids=batch["x"]).logits
+        logits = apply_fn(params, input_ids=batch["x"], **extra).logits
         return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
 
     def train_step(state, batch):
