@@ -64,3 +64,53 @@ def test_tp2_x_dp2_under_shard_equals_the_plain_step(kind):
 def test_tp2_x_dp2_stage2_gpt2_without_clipping():
     ref = reference("gpt2", STEPS, "adamw")
     check(run_distributed(train, 4, "gpt2", 2, 2, 2, "adamw"), ref)
+
+
+def test_a_plan_naming_no_module_is_refused_with_similar_names():
+    apply_fn, _, _ = make_step("gpt2")
+    with pytest.raises(ValueError, match=r"'h\.\*\.attn\.c_atn' names no module of GPT2LMHeadModel"):
+        tp_plan(apply_fn, {"h.*.attn.c_atn": "colwise"})
+    with pytest.raises(ValueError, match="LayerNorm; ColwiseParallel splits an nn.Linear"):
+        tp_plan(apply_fn, {"h.*.ln_1": "colwise"})
+    with pytest.raises(ValueError, match="matched by two patterns"):
+        tp_plan(apply_fn, {"h.*.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_fc": "rowwise"})
+    assert len(tp_plan(apply_fn, {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}).styles) == 4
+
+
+def refusals() -> dict:
+    mesh = make_mesh(tp=2)
+    out = {}
+    cases = {"kv_heads": ("llama", {"kv_heads": 1}), "heads": ("gpt2", {"heads": 1}),
+             "vocab": ("gpt2", {"vocab": 63})}
+    for name, (kind, kwargs) in cases.items():
+        apply_fn, step, state = make_step(kind, **kwargs)
+        try:
+            tensor_parallel(step, tp_plan(apply_fn), mesh)
+        except ValueError as err:
+            out[name] = str(err)
+    apply_fn, step, state = make_step("gpt2")
+    tp_step = tensor_parallel(step, tp_plan(apply_fn), mesh)
+    for name, make in {"mp_outside": lambda: mixed_precision(tp_step, "bf16"),
+                       "checkpoint_outside": lambda: checkpoint(tp_step),
+                       "shard_inside": lambda: tensor_parallel(shard(step, stage=1), tp_plan(apply_fn), mesh)}.items():
+        try:
+            make()
+        except ValueError as err:
+            out[name] = str(err)
+    try:
+        tensor_parallel(step, tp_plan(apply_fn), mesh)
+    except ValueError as err:
+        out["twice"] = str(err)
+    return out
+
+
+def test_bad_dimensions_and_orders_are_refused_before_the_first_step():
+    for out in run_distributed(refusals, 2):
+        assert "tp=2 does not divide the 1 key/value heads (num_key_value_heads)" in out["kv_heads"]
+        assert "tp=2 does not divide the 1 attention heads (n_head)" in out["heads"]
+        assert "tp=2 does not divide dim 0 (63) of transformer.wte.weight" in out["vocab"]
+        for name in ("mp_outside", "checkpoint_outside"):
+            assert "tensor_parallel must be the outer one" in out[name], out[name]
+            assert "shard(offload(pipeline(tensor_parallel(" in out[name]
+        assert "shard must be the outer one" in out["shard_inside"]
+        assert "already prepared" in out["twice"]
