@@ -114,3 +114,29 @@ def test_bad_dimensions_and_orders_are_refused_before_the_first_step():
             assert "shard(offload(pipeline(tensor_parallel(" in out[name]
         assert "shard must be the outer one" in out["shard_inside"]
         assert "already prepared" in out["twice"]
+
+
+@pytest.mark.slow
+def test_the_full_stack_with_offload_and_mixed_precision_master_equals_the_plain_step():
+    # shard(offload(tensor_parallel(checkpoint(mixed_precision(step))))): the master and the moments are cut
+    # by tp and then by dp, and updated on the host. (An fp32 policy, so the comparison is exact: the same
+    # code paths as bf16, without bf16's rounding of sums taken in another order.)
+    from zfunc.transforms import Policy, offload
+
+    ref = reference("llama", STEPS)
+
+    def run():
+        mesh = make_mesh(dp=2, tp=2)
+        dp_rank = mesh["dp"].get_local_rank()
+        apply_fn, step, state = make_step("llama")
+        stacked = shard(offload(tensor_parallel(checkpoint(mixed_precision(step, Policy())), tp_plan(apply_fn),
+                                                mesh)), stage=3, mesh=mesh)
+        state = stacked.init(state)
+        assert set(state.extras) == {"shard", "tensor_parallel", "mixed_precision"}
+        for i in range(STEPS):
+            state, _ = stacked(state, batch(i, dp_rank, 2))
+        return {"params": stacked.gather(state), "repr": repr(stacked)}
+
+    results = run_distributed(run, 4)
+    check(results, ref)
+    assert results[0]["repr"].startswith("shard(offload(tensor_parallel(checkpoint(mixed_precision(train_step")
