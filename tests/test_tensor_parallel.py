@@ -140,3 +140,22 @@ def test_the_full_stack_with_offload_and_mixed_precision_master_equals_the_plain
     results = run_distributed(run, 4)
     check(results, ref)
     assert results[0]["repr"].startswith("shard(offload(tensor_parallel(checkpoint(mixed_precision(train_step")
+
+
+def saving() -> str:
+    import zfunc as zf
+
+    mesh = make_mesh(tp=2)
+    apply_fn, step, state = make_step("gpt2")
+    tp_step = tensor_parallel(step, tp_plan(apply_fn), mesh)
+    state = tp_step.init(state)
+    try:
+        zf.io.save("/nonexistent-zfunc-dir", state)
+    except ValueError as err:
+        return str(err)
+    return "saved"
+
+
+def test_checkpoints_of_a_tp_state_are_refused_not_saved_wrong():
+    for out in run_distributed(saving, 2):
+        assert "split by tensor_parallel" in out and "step.gather(state)" in out
