@@ -159,3 +159,34 @@ def saving() -> str:
 def test_checkpoints_of_a_tp_state_are_refused_not_saved_wrong():
     for out in run_distributed(saving, 2):
         assert "split by tensor_parallel" in out and "step.gather(state)" in out
+
+
+def count_collectives(kind: str, loss_parallel: bool) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = make_mesh(tp=2)
+    apply_fn, step, state = make_step(kind)
+    tp_step = tensor_parallel(step, tp_plan(apply_fn, loss_parallel=loss_parallel), mesh)
+    state = tp_step.init(state)
+    mode = CommDebugMode()
+    with mode:
+        tp_step(state, batch(0))
+    return {str(k): v for k, v in mode.get_comm_counts().items()}
+
+
+# column-parallel modules per layer fed by the replicated residual stream (their input gradients are summed)
+COLUMN_PARALLEL = {"gpt2": 2, "llama": 5, "bert": 4}
+
+
+def count_all() -> dict:
+    return {(kind, lp): count_collectives(kind, lp) for kind in COLUMN_PARALLEL for lp in (True, False)}
+
+
+@pytest.mark.slow
+def test_collectives_per_step_follow_the_documented_formula():
+    layers, row_parallel = 2, 2
+    for (kind, loss_parallel), counts in run_distributed(count_all, 2)[0].items():
+        activations = 1 + layers * (row_parallel + COLUMN_PARALLEL[kind]) + 1  # embedding, layers, head input grad
+        assert counts.get("c10d_functional.all_reduce") == activations + (3 if loss_parallel else 0), (kind, counts)
+        assert counts.get("c10d_functional.all_gather_into_tensor", 0) == (0 if loss_parallel else 1), (kind, counts)
+        assert counts.get("c10d.allreduce_") == 2, (kind, counts)  # zfunc's psum: the NaN-loss count, the clip norm

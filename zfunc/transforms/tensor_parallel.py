@@ -31,24 +31,29 @@ transform inside or outside sees ordinary tensors of the local shapes, and
 gradient of a shard is that slice of the full gradient, and a replicated
 parameter's gradient is whole and equal on every tp rank.
 
-Per step, for L transformer layers, batch b x sequence s, hidden h and
-vocabulary V (forward; backward the same again, the column-parallel layers'
-input gradients summed where the forward's row-parallel outputs were):
+Collectives per step, over the tp group, for L layers with R row-parallel and
+C column-parallel modules each (GPT-2: R=2, C=2; Llama: R=2, C=5 (q, k, v,
+gate, up); BERT: R=2, C=4), batch b x sequence s, hidden h, vocabulary V:
 
-=============================  ==================================  ===============================
-where                          collective (over tp)                elements per rank (payload)
-=============================  ==================================  ===============================
-vocab-parallel embedding       all-reduce of the embeddings        b·s·h
-each layer, forward            2 all-reduces (attention, MLP out)  2·b·s·h
-each layer, backward           2 all-reduces (their input grads)   2·b·s·h
-embedding-side backward        (none: the lookup's grad is local)
-loss_parallel                  all-reduces of max, Σexp, target    3·b·s (+ their backward)
-LM head input gradient         1 all-reduce                        b·s·h
-clipping (psum of ‖g‖²)        1 all-reduce                        1
-NaN-loss check                 1 all-reduce                        1
-=============================  ==================================  ===============================
+==============================  ==============================  ============================
+where                           collective                      count x elements per rank
+==============================  ==============================  ============================
+vocab-parallel embedding (fwd)  all-reduce of the embeddings    1 x b·s·h
+row-parallel outputs (fwd)      all-reduce (partial sums)       L·R x b·s·h
+column-parallel inputs (bwd)    all-reduce (partial input       L·C x b·s·h
+                                gradients)
+LM head input (bwd)             all-reduce                      1 x b·s·h
+loss_parallel (fwd)             all-reduce of max, Σexp,        3 x b·s
+                                target logit
+  or, without loss_parallel     all-gather of the logits        1 x b·s·V
+``psum`` (zfunc)                all-reduce: the NaN-loss count  1 each
+                                and, with clipping, ‖g‖²
+==============================  ==============================  ============================
 
-``tests/test_tensor_parallel.py`` counts them with torch's ``CommDebugMode``.
+So ``2 + L·(R + C)`` activation all-reduces (+3 small ones for loss_parallel),
+as Megatron's 4 per layer when C = 2. Under `shard` the dp collectives come on
+top, on 1/tp of the parameters. ``tests/test_tensor_parallel.py`` counts them
+with torch's ``CommDebugMode``.
 
 Clipping by the global norm: ``‖g‖² = Σ over tp of (Σ over this rank's shards
 + Σ over replicated parameters on tp rank 0 only)``: the `sum_of_squares`
