@@ -190,3 +190,28 @@ def test_collectives_per_step_follow_the_documented_formula():
         assert counts.get("c10d_functional.all_reduce") == activations + (3 if loss_parallel else 0), (kind, counts)
         assert counts.get("c10d_functional.all_gather_into_tensor", 0) == (0 if loss_parallel else 1), (kind, counts)
         assert counts.get("c10d.allreduce_") == 2, (kind, counts)  # zfunc's psum: the NaN-loss count, the clip norm
+
+
+def planned() -> dict:
+    import zfunc as zf
+
+    mesh = make_mesh(dp=2, tp=2)
+    apply_fn, step, state = make_step("llama")
+    full = dict(state.params)
+    plain_plan = zf.plan(shard(step, stage=3, mesh=mesh), None, None, full, measure=False)
+    stacked = shard(tensor_parallel(step, tp_plan(apply_fn), mesh), stage=3, mesh=mesh)
+    tp_plan_ = zf.plan(stacked, None, None, full, measure=False)
+    local = stacked.init(state)
+    layout = local.extras["tensor_parallel"]
+    local_numel = sum(int(torch.Size(dict(layout.splits)[k].local_shape(2)).numel()) if k in dict(layout.splits)
+                      else v.numel() for k, v in full.items())
+    return {"plain": (plain_plan.parameters, plain_plan.world_size, plain_plan.tiers["gpu"].peak),
+            "tp": (tp_plan_.parameters, tp_plan_.world_size, tp_plan_.tiers["gpu"].peak),
+            "local_numel": local_numel, "full_numel": sum(v.numel() for v in full.values())}
+
+
+def test_the_plan_counts_per_rank_bytes_of_tp_shards_over_dp():
+    out = run_distributed(planned, 4)[0]
+    assert out["plain"][0] == out["full_numel"] and out["plain"][1] == 2
+    assert out["tp"][0] == out["local_numel"] < out["full_numel"] and out["tp"][1] == 2  # dp = 4 ranks / tp 2
+    assert out["tp"][2] < out["plain"][2]

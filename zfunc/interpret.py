@@ -492,6 +492,16 @@ class Transform:
             full = transform.complete_gather(full, state)
         return fresh_copies(full, state)
 
+    def rank_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of the model's full ``params`` one rank holds along this transform's mesh dimension, as
+        meta tensors of their shapes (`zfunc.plan` counts bytes from them); default: all of them."""
+        return params
+
+    def partition_ranks(self) -> int | None:
+        """How many ranks this transform partitions the state over (`shard`: its dp group), for `zfunc.plan`;
+        default None (it partitions nothing)."""
+        return None
+
     def complete_gather(self, params: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
         """The parameters the outermost transform's gather collected, made whole along this transform's own
         mesh dimension (default: as they are). Runs after every ``gather_params``, outermost first."""

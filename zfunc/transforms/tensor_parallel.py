@@ -183,6 +183,10 @@ class tensor_parallel(Transform):  # noqa: N801
             out[key] = split.full([g.to(out[key].device) for g in gathered])
         return out
 
+    def rank_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: torch.empty(self.splits[k].local_shape(self.size), dtype=v.dtype, device="meta")
+                if k in self.splits else v for k, v in params.items()}
+
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> None:
         layout = self._layout(state)
