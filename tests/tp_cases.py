@@ -52,8 +52,9 @@ def make_step(kind: str, opt: str = "clip", **model_kwargs):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
         return state.apply_gradients(grads), {"loss": loss}
 
-    tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.05), zf.optim.adamw(1e-2, weight_decay=0.1)) \
-        if opt == "clip" else zf.optim.adamw(1e-2, weight_decay=0.1)
+    tx = {"clip": lambda: zf.optim.chain(zf.optim.clip_by_global_norm(0.05), zf.optim.adamw(1e-2, weight_decay=0.1)),
+          "adamw": lambda: zf.optim.adamw(1e-2, weight_decay=0.1),
+          "sgd": lambda: zf.optim.sgd(0.5)}[opt]()
     ties, blocks = params.ties, params.blocks
     params = {k: v.clone() for k, v in params.items()}  # (steps update in place: keep the module's own intact)
     return apply_fn, train_step, zf.TrainState.create(params, tx, ties=ties, blocks=blocks)

@@ -202,10 +202,8 @@ class tensor_parallel(Transform):  # noqa: N801
     def psum(self, next, x):
         if self.size == 1:
             return next(x)
-        group = self._group()
-        out = group.place(x.detach()).clone()
-        dist.wait(tdist.all_reduce(out, group=self.group, async_op=True), group, "a sum over the tp ranks")
-        return next(out.to(x.device))
+        # (Comm waits on the host within the timeout on gloo, and only orders the stream on NCCL.)
+        return next(dist.Comm(self._group()).all_reduce_sum(x))
 
     def sum_of_squares(self, next, tree):
         replicated = self.call_scratch()
