@@ -49,6 +49,12 @@ def test_tp2_x_dp2_to_dp4_and_back_and_to_one_process_is_exact(tmp_path):
     back = run_distributed(restore_and_go_on, 4, str(tmp_path / "dp4"), 2, 2, None)
     alone = [restore_and_go_on(str(tmp_path / "tp2dp2"), 1, 1, None)]  # (in this process, after the forks)
     two_steps = reference("gpt2", 2)
+    from safetensors.torch import load_file
+
+    consolidated = load_file(zf.io.consolidate(str(tmp_path / "tp2dp2"), tmp_path / "full.safetensors",
+                                               progress=False))
+    for key, want in saved.items():
+        torch.testing.assert_close(consolidated[key], want, rtol=0, atol=0, msg=key)
     for out in [*dp4, *back, *alone]:
         for key, want in saved.items():
             torch.testing.assert_close(out["restored"][key], want, rtol=0, atol=0, msg=key)  # bit for bit
