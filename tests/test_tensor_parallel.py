@@ -35,7 +35,7 @@ def check(results: list, ref: dict, atol: float = 2e-5) -> None:
         assert set(out["params"]) == set(ref)
         for key, want in ref.items():
             torch.testing.assert_close(out["params"][key], want, rtol=1e-5, atol=atol,
-                                       msg=lambda m: f"rank {rank} {key}: {m}")
+                                       msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}")
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
@@ -247,3 +247,19 @@ def test_tp2_composes_with_accumulate_and_bf16_mixed_precision():
         check([{"params": out["bf16"]}], ref_bf16, atol=4e-3)
     moved = max((ref_bf16[k] - v).abs().max().item() for k, v in make_step("gpt2", "sgd")[2].params.items())
     assert moved > 10 * 4e-3, moved  # the tolerance is far below what the steps moved the weights
+
+
+def without_shard() -> str:
+    mesh = make_mesh(dp=2, tp=2)
+    apply_fn, step, state = make_step("gpt2")
+    tp_step = tensor_parallel(step, tp_plan(apply_fn), mesh)
+    try:
+        tp_step(tp_step.init(state), batch(0))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_mesh_with_dp_needs_shard_around_tensor_parallel():
+    for out in run_distributed(without_shard, 4):
+        assert "no shard(...) averages the gradients over dp" in out

@@ -27,7 +27,6 @@ from zfunc.tree import (
     tree_leaves,
     tree_map,
     tree_map_with_path,
-    tree_sum_of_squares,
     tree_unflatten,
     tree_zeros_like,
 )

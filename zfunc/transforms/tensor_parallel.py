@@ -131,6 +131,13 @@ class tensor_parallel(Transform):  # noqa: N801
     def declare(self, facts: Facts) -> Facts:
         return facts.replace(tp=self.size)
 
+    def check(self, facts: Facts) -> None:
+        dp = self.mesh["dp"].size() if "dp" in (self.mesh.mesh_dim_names or ()) else 1
+        if dp > 1 and facts.stage == 0:
+            # Each dp slice would train its own copy on its own batches, with nothing averaging their gradients.
+            raise ValueError(f"tensor_parallel: the mesh has dp={dp}, but no shard(...) averages the gradients over "
+                             "dp; wrap the step: shard(tensor_parallel(step, plan, mesh), stage=..., mesh=mesh)")
+
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group)
 

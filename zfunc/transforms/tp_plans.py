@@ -35,7 +35,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 try:  # Hugging Face's transposed linear (GPT-2); the plans work without transformers installed
     from transformers.pytorch_utils import Conv1D
@@ -300,10 +305,6 @@ def prepare(plan: TPPlan, tp_mesh) -> dict[str, ParamSplit]:
                     raise ValueError(f"tensor_parallel: {key!r} is tied to {name}.{attr}, which the plan splits "
                                      f"differently ({splits[key]} vs {split}); tied weights need one split")
                 splits[key] = split
-            previous = by_object.get(id(p))
-            if previous is not None and previous[0] != split:
-                raise ValueError(f"tensor_parallel: {name}.{attr} is shared with another module the plan splits "
-                                 "differently; shared weights need one split")
         planned.append((name, module, style))
     rank = tp_mesh.get_local_rank()
     for name, module, style in planned:
@@ -312,6 +313,9 @@ def prepare(plan: TPPlan, tp_mesh) -> dict[str, ParamSplit]:
             if p is None:
                 continue
             dim, parts = split_of(module, style, attr, p)
+            if id(p) in by_object and by_object[id(p)][0] != ParamSplit(dim, parts, tuple(p.shape)):
+                raise ValueError(f"tensor_parallel: {name}.{attr} is shared with another module the plan splits "
+                                 "differently; shared weights need one split")
             if id(p) not in by_object:
                 split = ParamSplit(dim, parts, tuple(p.shape))
                 placement = [Replicate()] if dim is None else [Shard(dim)]
@@ -335,7 +339,7 @@ def prepare(plan: TPPlan, tp_mesh) -> dict[str, ParamSplit]:
         attention.split_size //= size
     spec = plan.apply_fn.structure.spec
     for key, split in splits.items():
-        shape, dtype = spec[key]
+        _, dtype = spec[key]
         spec[key] = (torch.Size(split.local_shape(size)), dtype)
     model._zfunc_tensor_parallel = tp_mesh
     return splits
