@@ -75,7 +75,10 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
         # overwrite that live state behind the caller's back.
         check_alive(like, "zfunc.io.restore(like=...)")
         tp = TPInfo.of_state(like, g.rank)
-        if layout is not None and layout.world_size * (tp.size if tp else 1) != g.size:
+        if tp is not None and layout is not None and layout.world_size * tp.size != g.size:
+            raise CheckpointError(f"restore: the template is sharded over {layout.world_size} dp ranks x tp "
+                                  f"{tp.size}, but {g.size} ranks restore it; build it with this world's step.init")
+        if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, "
                                   f"but this process is rank {g.rank} of {g.size}; build it with this world's "
                                   "step.init")

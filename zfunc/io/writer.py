@@ -159,12 +159,13 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     step = _step_of(state)
     layout = layout_of(state)
     tp = TPInfo.of_state(state, g.rank)
-    tp_size = tp.size if tp is not None else 1
-    if layout is not None and layout.world_size * tp_size != g.size:
-        raise CheckpointError(f"the state is sharded over {layout.world_size} ranks{f' x tp {tp_size}' if tp else ''}, "
-                              f"but {g.size} ranks save it (a pipeline mesh dimension is not saved yet)")
-    if layout is None and tp is not None and tp_size != g.size:
-        raise CheckpointError(f"the state is split over tp {tp_size} without shard, but {g.size} ranks save it")
+    if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+        raise CheckpointError(f"the state is sharded for rank {layout.rank} of {layout.world_size}, but this "
+                              f"process is rank {g.rank} of {g.size}")
+    if tp is not None and (layout.world_size if layout is not None else 1) * tp.size != g.size:
+        raise CheckpointError(f"the state is split over {layout.world_size if layout is not None else 1} dp ranks "
+                              f"x tp {tp.size}, but {g.size} ranks save it (a pipeline mesh dimension is not saved "
+                              "yet)")
     for alias, key in state.ties:
         if key not in state.params or alias in state.params:
             raise CheckpointError(f"state.ties has {alias!r} -> {key!r}: a tie names a parameter ({key!r} must be "
