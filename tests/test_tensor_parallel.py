@@ -54,6 +54,26 @@ def test_tp2_equals_the_plain_step(kind):
         assert shapes["model.layers.0.self_attn.o_proj.weight"] == (16, 8)
 
 
+def sequence_parallel_llama(dp: int) -> dict:
+    mesh = make_mesh(dp=dp, tp=2)
+    dp_rank = mesh["dp"].get_local_rank()
+    apply_fn, step, state = make_step("llama")
+    plan = tp_plan(apply_fn, sequence_parallel=True)
+    stacked = tensor_parallel(checkpoint(step), plan, mesh)
+    stacked = shard(stacked, stage=3, mesh=mesh) if dp > 1 else stacked
+    state = stacked.init(state)
+    for i in range(STEPS):
+        state, _ = stacked(state, batch(i, dp_rank, dp))
+    return {"params": stacked.gather(state)}
+
+
+@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_llama_with_sequence_parallel_norms_equals_the_plain_step(dp):
+    # The residual stream split over the sequence (norms on the slice, reduce-scatter / all-gather around
+    # attention and MLP), frozen norm weight, clipping, recomputed blocks.
+    check(run_distributed(sequence_parallel_llama, 2 * dp, dp), reference("llama", STEPS))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
 def test_tp2_x_dp2_under_shard_equals_the_plain_step(kind):
@@ -72,6 +92,8 @@ def test_a_plan_naming_no_module_is_refused_with_similar_names():
         tp_plan(apply_fn, {"h.*.attn.c_atn": "colwise"})
     with pytest.raises(ValueError, match="LayerNorm; ColwiseParallel splits an nn.Linear"):
         tp_plan(apply_fn, {"h.*.ln_1": "colwise"})
+    with pytest.raises(ValueError, match="sequence_parallel=True is in the default Llama plan only"):
+        tp_plan(apply_fn, sequence_parallel=True)
     with pytest.raises(ValueError, match="matched by two patterns"):
         tp_plan(apply_fn, {"h.*.mlp.c_fc": "colwise", "transformer.h.0.mlp.c_fc": "rowwise"})
     assert len(tp_plan(apply_fn, {"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}).styles) == 4

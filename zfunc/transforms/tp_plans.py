@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -113,7 +114,8 @@ class TPPlan:
         return self.apply_fn.model
 
 
-def tp_plan(apply_fn, plan: str | Mapping[str, Any] | None = None, loss_parallel: bool = True) -> TPPlan:
+def tp_plan(apply_fn, plan: str | Mapping[str, Any] | None = None, loss_parallel: bool = True,
+            sequence_parallel: bool = False) -> TPPlan:
     """The tensor-parallel plan of ``apply_fn``'s model (from ``zf.functional``), checked against it.
 
     Args:
@@ -124,6 +126,11 @@ def tp_plan(apply_fn, plan: str | Mapping[str, Any] | None = None, loss_parallel
         `FusedColwise`) or "colwise" / "rowwise" / "sequence".
       loss_parallel: in the default plans, keep the logits split over the vocabulary and compute the loss
         with torch's ``loss_parallel`` (no all-gather of the logits); False gathers the logits.
+      sequence_parallel: in the default Llama plan, run the norms and the residual stream on this rank's
+        slice of the sequence (`SequenceParallel`): the row-parallel outputs are reduce-scattered over the
+        sequence instead of all-reduced, and each attention/MLP input all-gathered; activations between
+        the layers take 1/tp of the memory. (Llama only: GPT-2's and BERT's position embeddings are added
+        to the full sequence.)
     Raises:
       ValueError: a pattern that names no module (the message lists similar names), a module two
         patterns claim, a style on a module kind it cannot split, an unknown model for plan=None.
@@ -141,7 +148,11 @@ def tp_plan(apply_fn, plan: str | Mapping[str, Any] | None = None, loss_parallel
     if isinstance(plan, str):
         if plan not in _DEFAULTS:
             raise ValueError(f"tp_plan: unknown plan {plan!r}; the named plans are {sorted(_DEFAULTS)}")
+        if sequence_parallel and plan != "llama":
+            raise ValueError(f"tp_plan: sequence_parallel=True is in the default Llama plan only, not {plan!r}")
         name, patterns = plan, _DEFAULTS[plan](loss_parallel)
+        if sequence_parallel:
+            name, patterns = "llama+sp", _llama_sequence_parallel(loss_parallel)
         optional = True  # a default plan's optional parts (an LM head) may be absent
     elif isinstance(plan, Mapping):
         name, patterns, optional = "custom", dict(plan), False
@@ -174,9 +185,9 @@ def _as_style(style: Any, pattern: str) -> ParallelStyle:
             raise ValueError(f"tp_plan: {pattern!r}: unknown style {style!r} (use {sorted(_STYLE_NAMES)} or a torch "
                              "ParallelStyle)")
         return _STYLE_NAMES[style]()
-    if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput)):
         raise ValueError(f"tp_plan: {pattern!r}: style {style!r} is not ColwiseParallel, RowwiseParallel, "
-                         "SequenceParallel (or FusedColwise)")
+                         "SequenceParallel, PrepareModuleInput (or FusedColwise)")
     return style
 
 
@@ -186,7 +197,7 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _check_kind(module: nn.Module, name: str, style: ParallelStyle) -> None:
-    if isinstance(style, SequenceParallel):
+    if isinstance(style, (SequenceParallel, PrepareModuleInput)):
         return
     if not isinstance(module, (nn.Linear, nn.Embedding, Conv1D)):
         raise ValueError(f"tp_plan: {name!r} is a {type(module).__name__}; {type(style).__name__} splits an "
@@ -199,7 +210,7 @@ def split_of(module: nn.Module, style: ParallelStyle, attr: str, param: torch.Te
     """``(dim, parts)`` of parameter ``attr`` of ``module`` under ``style`` (dim None: replicated)."""
     parts = style.parts if isinstance(style, FusedColwise) else 1
     transposed = isinstance(module, Conv1D)  # weight [in, out]
-    if isinstance(style, SequenceParallel):
+    if isinstance(style, (SequenceParallel, PrepareModuleInput)):
         return None, 1
     if isinstance(module, nn.Embedding):  # weight [vocab, dim]: colwise splits dim, rowwise the vocabulary
         return (1 if isinstance(style, ColwiseParallel) else 0), 1
@@ -239,6 +250,32 @@ def _llama(loss_parallel: bool) -> dict:
             "layers.*.self_attn.v_proj": ColwiseParallel(), "layers.*.self_attn.o_proj": RowwiseParallel(),
             "layers.*.mlp.gate_proj": ColwiseParallel(), "layers.*.mlp.up_proj": ColwiseParallel(),
             "layers.*.mlp.down_proj": RowwiseParallel(), "lm_head": _head(loss_parallel)}
+
+
+def _llama_sequence_parallel(loss_parallel: bool) -> dict:
+    """Llama with sequence parallelism (torchtitan's recipe on Hugging Face's module names): the residual
+    stream stays a DTensor split over the sequence (so the model computes masks and positions for the whole
+    sequence), the norms run on the slice, attention and MLP inputs are all-gathered, their row-parallel
+    outputs reduce-scattered back onto the slice."""
+    sequence = Shard(1)
+    return {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence,
+                                            use_local_output=False),
+            "layers.*.input_layernorm": SequenceParallel(use_local_output=False),
+            "layers.*.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": sequence},
+                                                     desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                                     use_local_output=True),
+            "layers.*.self_attn.q_proj": ColwiseParallel(), "layers.*.self_attn.k_proj": ColwiseParallel(),
+            "layers.*.self_attn.v_proj": ColwiseParallel(),
+            "layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+            "layers.*.post_attention_layernorm": SequenceParallel(use_local_output=False),
+            "layers.*.mlp": PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            "layers.*.mlp.gate_proj": ColwiseParallel(), "layers.*.mlp.up_proj": ColwiseParallel(),
+            "layers.*.mlp.down_proj": RowwiseParallel(output_layouts=sequence, use_local_output=False),
+            "norm": SequenceParallel(use_local_output=False),
+            "lm_head": ColwiseParallel(input_layouts=sequence,
+                                       output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                       use_local_output=not loss_parallel)}
 
 
 def _bert(loss_parallel: bool) -> dict:
@@ -327,6 +364,9 @@ def prepare(plan: TPPlan, tp_mesh) -> dict[str, ParamSplit]:
             converted = by_object[id(p)][1]
             module._parameters[attr] = converted
             specs[attr] = (converted.placements, converted.shape, converted.stride())
+        if isinstance(style, PrepareModuleInput):  # hooks on the inputs only, no parameters of its own
+            style._apply(module, tp_mesh)
+            continue
         input_fn, output_fn = _hooks(style, module)
         distribute_module(module, tp_mesh, _nothing_to_partition, input_fn, output_fn)
         _LocalToDTensor(module, tp_mesh, specs).install()
