@@ -14,7 +14,11 @@ The model's large matrices are split over the tp ranks of one group
 - the LM head's logits stay split over the vocabulary and the cross entropy
   runs on the split logits (torch's ``loss_parallel``: max, sum of exponentials
   and the target logit reduced over tp, never the whole logits);
-- norms, position embeddings and biases of row-parallel layers are replicated.
+- norms, position embeddings and biases of row-parallel layers are replicated;
+  with sequence parallelism (the Llama plan's ``sequence_parallel=True``) the
+  norms run on this rank's slice of the sequence instead, the row-parallel
+  outputs are reduce-scattered onto it and the attention/MLP inputs
+  all-gathered from it.
 
 Which module is split how is a plan (`zfunc.transforms.tp_plans.tp_plan`: the
 defaults for Hugging Face GPT-2, Llama and BERT, or a dict of name pattern ->
