@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the interpreter", ("state_check", "donation", "interpret")),
     ("autodiff", ("autodiff", "recompute")),
     ("functional model: the call", ("model_call", "blocks", "functional")),
-    ("kernels, tiers and collectives", ("kernels", "tiers", "dist")),
+    ("kernels, tiers and collectives", ("kernels", "tiers", "dist", "mesh")),
     ("state and optimizers", ("optim", "state")),
     ("transforms", ("transforms",)),
     ("planner", ("plan",)),

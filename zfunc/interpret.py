@@ -17,6 +17,8 @@ primitive              what it means                                      dispat
 ``apply_gradients``    one optimizer update of a state                    `TrainState.apply_gradients`
 ``update_params``      the optimizer arithmetic on (params, grads, state) the plain apply_gradients
 ``psum``               sum a per-shard partial quantity over shards       norms, overflow checks
+``sum_of_squares``     Σ x² of a param-shaped tree, each element counted  `optim.global_norm`
+                       once over the ranks that hold it
 =====================  =================================================  ==========================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition
@@ -84,9 +86,10 @@ from zfunc.donation import (  # noqa: F401 (re-exported: the interpreter's names
 )
 from zfunc.materialize import is_meta, materialized
 from zfunc.state_check import require_state
-from zfunc.tree import tree_leaves
+from zfunc.tree import tree_leaves, tree_sum_of_squares
 
-PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
+PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum",
+              "sum_of_squares")
 
 Tier = Literal["device", "host", "nvme"]
 
@@ -115,6 +118,7 @@ class Facts:
         dtype, else the compute dtype; `zfunc.transforms.grad_accumulator.accumulation_dtype`).
       recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
         with ``reshard="recompute"``): activations of one block, not of all.
+      tp: the tensor-parallel degree (`tensor_parallel`): sharded parameters hold 1/tp of their elements.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -131,6 +135,7 @@ class Facts:
     accumulates: bool = False
     accumulate_dtype: torch.dtype | None = None
     recompute: bool = False
+    tp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
         return dataclasses.replace(self, **changes)
@@ -264,6 +269,17 @@ def _identity(x):
     return x
 
 
+def sum_of_squares(tree: Any) -> torch.Tensor:
+    """Σ x² over the elements of ``tree`` (param-shaped: a dict keyed like the params, or any pytree) that
+    this rank should count, as float32 (``psum`` of it is the global squared norm).
+
+    Without transforms every element counts. Under `tensor_parallel` a parameter replicated over the
+    tp ranks (a norm's weight, a row-parallel bias) is counted on one of them only, so that ``psum``
+    over tp adds each element once.
+    """
+    return dispatch("sum_of_squares", tree_sum_of_squares, tree)
+
+
 def gradients_ready(grads: Any) -> Any:
     """Tell the stack that a backward pass returned ``grads`` (see the module docstring)."""
     return dispatch("gradients_ready", _identity, grads)
@@ -336,7 +352,7 @@ class Transform:
             if inner.level > self.level:
                 raise ValueError(
                     f"{self.name}(...) cannot wrap {inner.name}(...): {inner.name} must be the outer one. "
-                    f"Order transforms as shard(offload(compute_transforms(step))), e.g. "
+                    f"Order transforms as shard(offload(pipeline(tensor_parallel(compute_transforms(step))))), e.g. "
                     f"{inner.name}({self.name}(step)) instead of {self.name}({inner.name}(step)).")
         self.step = step
 
@@ -473,7 +489,25 @@ class Transform:
         """
         require_state(state, f"{self.name}(...).gather")
         check_alive(state, f"{self.name}(...).gather")
-        return fresh_copies(self._gather(state), state)
+        full = self._gather(state)
+        for transform in _wrapped(self):  # e.g. tensor_parallel's all-gather over its dim, after shard's
+            full = transform.complete_gather(full, state)
+        return fresh_copies(full, state)
+
+    def rank_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of the model's full ``params`` one rank holds along this transform's mesh dimension, as
+        meta tensors of their shapes (`zfunc.plan` counts bytes from them); default: all of them."""
+        return params
+
+    def partition_ranks(self) -> int | None:
+        """How many ranks this transform partitions the state over (`shard`: its dp group), for `zfunc.plan`;
+        default None (it partitions nothing)."""
+        return None
+
+    def complete_gather(self, params: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
+        """The parameters the outermost transform's gather collected, made whole along this transform's own
+        mesh dimension (default: as they are). Runs after every ``gather_params``, outermost first."""
+        return params
 
     def _gather(self, state) -> dict[str, torch.Tensor]:
         inner = self.step._gather if isinstance(self.step, Transform) else _plain_gather

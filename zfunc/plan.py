@@ -151,7 +151,8 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       loss_fn: ``loss_fn(params, batch) -> loss``, calling the model's ``apply_fn`` (measured on fake tensors).
       batch: one rank's batch for one micro-batch (tensors, or ``torch.empty`` shapes; any device).
       params: the model's trainable parameters (`zf.functional`'s; meta tensors are enough).
-      world_size: N (default: the current process group's size).
+      world_size: N, the ranks shard partitions over (default: shard's group, e.g. a mesh's dp dim; else the
+        current process group's size).
       blocks, units: the model's blocks (default: recorded on ``params`` by `zf.functional`) and shard's
         ``units=`` if given.
       gpu_bytes, host_bytes, nvme_bytes: what each tier may hold per rank; with them and `offload` in
@@ -163,10 +164,18 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       The `MemoryPlan`.
     """
     facts = step.stack.facts if isinstance(step, Transform) else Facts()
+    splitting = step.stack.transforms if isinstance(step, Transform) else ()
     if world_size is None:
         import torch.distributed as tdist
 
         world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+        for transform in splitting:  # on a mesh, shard partitions over its dp group (world / (tp * pp))
+            world_size = transform.partition_ranks() or world_size
+    blocks_of = getattr(params, "blocks", None)
+    for transform in splitting:  # tensor_parallel: one rank holds 1/tp of the split parameters
+        params = transform.rank_params(params)
+    if blocks is None:
+        blocks = blocks_of
     stage = facts.stage
     blocks = blocks if blocks is not None else getattr(params, "blocks", None)
     layout = make_layout(params, max(stage, 1), world_size, 0, units, blocks)

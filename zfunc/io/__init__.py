@@ -90,6 +90,16 @@ Format 1 (no ``manifest.sha256``, no ``ties``, ``latest`` holding the name
 alone) is still read, with a warning that its manifest is not checksummed;
 saving again writes format 2.
 
+Format 3 is format 2 plus ``tensor_parallel``, written only for a state split
+by `tensor_parallel`: ``{size, splits: {key: [dim, parts]}, coords: [[dp rank,
+tp rank] per world rank]}``. Each rank then saves the 1-D range ``[a, b)`` of
+its tp shard of each split parameter that its dp shard holds (replicated
+parameters from tp rank 0 only), ``params`` and ``layout`` keep the full and
+the tp-local shapes, and a restore maps every saved range to the runs of the
+full parameter's flat elements it covers (`zfunc.io.entries.Spans.runs`), so
+it reshards across any (dp, tp) layout: tp2 x dp2 -> dp4 -> tp2 x dp2, or
+into one process.
+
 A rank's data is split into parts of about ``part_bytes`` (512 MiB; a larger
 tensor gets a part of its own) that are written, hashed and read by parallel
 threads. The SHA-256 of each file is computed while it is written and is what

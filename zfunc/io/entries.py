@@ -12,12 +12,20 @@ A state is walked into
 - non-tensor leaves (Python numbers, ``None``, the `ShardLayout`) are static
   configuration of the step and are neither saved nor restored.
 
+Under `tensor_parallel` a rank holds, of each split parameter, its tp shard
+(the full tensor's slices along one dim, `ParamSplit`), and of that its dp
+range; it saves that range, and `Spans.runs` maps it to the runs of the full
+parameter's flat elements it covers, so restore reshards by global offsets
+across any (dp, tp) layout. Replicated parameters are saved by tp rank 0.
+
 Path components are dict keys (with ``%`` and ``/`` escaped), NamedTuple field
 names and tuple/list indices, joined by ``/``.
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import random
 from typing import Any, NamedTuple
@@ -28,6 +36,7 @@ import torch
 from zfunc.io.format import CheckpointError
 from zfunc.state import TrainState
 from zfunc.transforms.shard_layout import ShardLayout, is_param_shaped
+from zfunc.transforms.tensor_parallel import TPLayout
 
 SEP = "/"
 
@@ -80,38 +89,145 @@ def layout_of(state: TrainState) -> ShardLayout | None:
 
 
 def global_shapes(state: TrainState, layout: ShardLayout | None) -> dict[str, tuple[int, ...]]:
-    """Full shape of every parameter, in params order."""
+    """Full shape of every parameter, in params order (under `tensor_parallel`: the whole parameter's, not
+    the tp shard's)."""
     if layout is None:
-        return {k: tuple(v.shape) for k, v in state.params.items()}
-    shapes = {k: tuple(s) for u in layout.units for k, s in zip(u.keys, u.shapes)}
-    return {k: shapes[k] for k in state.params}
+        shapes = {k: tuple(v.shape) for k, v in state.params.items()}
+    else:
+        units = {k: tuple(s) for u in layout.units for k, s in zip(u.keys, u.shapes)}
+        shapes = {k: units[k] for k in state.params}
+    tp = tp_layout_of(state)
+    if tp is not None:
+        shapes.update({k: tuple(split.shape) for k, split in tp.splits if split.dim is not None and k in shapes})
+    return shapes
+
+
+def tp_layout_of(state: TrainState) -> TPLayout | None:
+    layout = state.extras.get("tensor_parallel") if isinstance(state.extras, dict) else None
+    return layout if isinstance(layout, TPLayout) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TPInfo:
+    """How a checkpoint's parameters are split over tensor-parallel ranks (the manifest's ``tensor_parallel``):
+    the tp ``size``, each split parameter's ``(dim, parts)`` (`ParamSplit`; the others are replicated) and
+    each world rank's ``(dp rank, tp rank)`` (``coords``; a template knows its own only)."""
+
+    size: int
+    splits: dict[str, tuple[int, int]]
+    coords: dict[int, tuple[int, int]]
+
+    @classmethod
+    def of_state(cls, state: TrainState, rank: int) -> "TPInfo | None":
+        tp = tp_layout_of(state)
+        if tp is None:
+            return None
+        layout = layout_of(state)
+        splits = {k: (s.dim, s.parts) for k, s in tp.splits if s.dim is not None}
+        return cls(tp.size, splits, {rank: (layout.rank if layout is not None else 0, tp.rank)})
+
+    def to_json(self) -> dict:
+        return {"size": self.size, "splits": {k: list(v) for k, v in self.splits.items()},
+                "coords": [list(self.coords[r]) for r in sorted(self.coords)]}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "TPInfo | None":
+        if data is None:
+            return None
+        return cls(data["size"], {k: (v[0], v[1]) for k, v in data["splits"].items()},
+                   {r: (c[0], c[1]) for r, c in enumerate(data["coords"])})
+
+    def local_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if key not in self.splits:
+            return tuple(shape)
+        dim = self.splits[key][0]
+        return tuple(n // self.size if d == dim else n for d, n in enumerate(shape))
 
 
 class Spans:
-    """Which flat element range ``[a, b)`` of each parameter a rank holds, for a layout (None: plain)."""
+    """Which elements of each parameter a rank holds, for a layout (None: plain) and tp split (None: none).
 
-    def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]]) -> None:
-        self.layout = layout
-        self.numel = {k: math.prod(s) for k, s in shapes.items()}
+    ``span`` is the flat range ``[a, b)`` of the rank's tp shard (the whole parameter without tp) that the
+    rank saves; ``runs`` maps such a range to the full parameter's flat elements.
+    """
+
+    def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]],
+                 tp: TPInfo | None = None) -> None:
+        self.layout, self.tp, self.shapes = layout, tp, shapes
+        local = {k: tp.local_shape(k, s) for k, s in shapes.items()} if tp is not None else shapes
+        self.numel = {k: math.prod(s) for k, s in local.items()}
         self._where = {k: (u, i) for u in layout.units for i, k in enumerate(u.keys)} if layout else {}
 
+    def coords(self, rank: int) -> tuple[int, int]:
+        """``(dp rank, tp rank)`` of world rank ``rank``."""
+        if self.tp is None:
+            return rank, 0
+        return self.tp.coords[rank]
+
     def span(self, key: str, rank: int) -> tuple[int, int]:
+        dp, tp_rank = self.coords(rank)
+        if self.tp is not None and key not in self.tp.splits and tp_rank != 0:
+            return (0, 0)  # replicated over tp: its tp rank 0 saves it
+        return self._held(key, dp)
+
+    def _held(self, key: str, dp: int) -> tuple[int, int]:
         if self.layout is None:
-            return (0, self.numel[key]) if rank == 0 else (0, 0)
+            return (0, self.numel[key]) if dp == 0 else (0, 0)
         unit, index = self._where[key]
-        return unit.local_range(index, rank)
+        return unit.local_range(index, dp)
 
     def local(self, key: str, rank: int, tensor: torch.Tensor, what: str) -> tuple[int, int]:
-        """The range ``tensor`` (held by ``rank``) covers: all of the parameter or this rank's slice."""
+        """The range ``tensor`` (held by ``rank``) covers: all of its tp shard or this rank's slice."""
         n = self.numel[key]
         if tensor.numel() == n:
             return 0, n
-        a, b = self.span(key, rank) if self.layout is not None else (0, n)
+        a, b = self._held(key, self.coords(rank)[0]) if self.layout is not None else (0, n)
         if tensor.numel() != b - a:
             raise CheckpointError(
                 f"{what}: {key!r} has {tensor.numel()} elements, but the parameter has {n} and this rank's "
                 f"shard of it {b - a}; the state does not match its own shard layout")
         return a, b
+
+    def runs(self, key: str, rank: int, a: int, b: int) -> list[tuple[int, int, int]]:
+        """``[(first element in the full parameter, count, offset from a)]`` of the flat range ``[a, b)`` of
+        ``rank``'s tp shard of ``key``: one run without tp, else one per contiguous block of the split."""
+        if b <= a:
+            return []
+        if self.tp is None or key not in self.tp.splits:
+            return [(a, b - a, 0)]
+        dim, parts = self.tp.splits[key]
+        shape, size, tp_rank = self.shapes[key], self.tp.size, self.coords(rank)[1]
+        inner = math.prod(shape[dim + 1:])
+        full_d = shape[dim]
+        block = full_d // (parts * size)  # rows of dim that stay contiguous: one part's slice on one rank
+        local_d = full_d // size
+        seg = block * inner
+        out, i = [], a
+        while i < b:
+            end = min(b, (i // seg + 1) * seg)
+            outer, rem = divmod(i, local_d * inner)
+            j, within = divmod(rem, inner)
+            part, jj = divmod(j, block)
+            row = part * (full_d // parts) + tp_rank * block + jj
+            out.append((outer * full_d * inner + row * inner + within, end - i, i - a))
+            i = end
+        return out
+
+
+def overlaps(targets: list[tuple[int, int, int]], sources: list[tuple[int, int, int, Any]]):
+    """For target runs ``(start, count, offset)`` and source runs ``(start, count, offset, tag)`` (each
+    element of the full parameter in at most one source run), yield ``(tag, source offset, target offset,
+    count)`` of every overlap."""
+    sources = sorted(sources, key=lambda r: r[0])
+    starts = [r[0] for r in sources]
+    for t_start, t_count, t_off in targets:
+        k = max(0, bisect.bisect_right(starts, t_start) - 1)
+        while k < len(sources) and sources[k][0] < t_start + t_count:
+            s_start, s_count, s_off, tag = sources[k]
+            lo, hi = max(t_start, s_start), min(t_start + t_count, s_start + s_count)
+            if hi > lo:
+                yield tag, s_off + lo - s_start, t_off + lo - t_start, hi - lo
+            k += 1
 
 
 # --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from zfunc.io.commit import LOCK, STALE, STEP_DIR
-from zfunc.io.entries import Spans, escape
+from zfunc.io.entries import Spans, TPInfo, escape
 from zfunc.io.format import DTYPES, LATEST, CheckpointError, dtype_name, progress_bar, write_safetensors
 from zfunc.io.manifest import read_manifest
 from zfunc.io.reader import check_entries, check_files, locate, open_ranks
@@ -63,7 +63,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     check_files(step_dir, manifest)
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
     layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes)
+    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")))
     group = manifest["weights"]
     if group not in manifest["groups"] and shapes:
         raise CheckpointError(f"{step_dir}: corrupt manifest: its weights {group!r} are not among its groups")
@@ -133,9 +133,9 @@ def _weights(files, spans: Spans, group: str, names, shapes, dtype) -> Iterator[
             flat = full.view(-1)
             for s, f in files.items():
                 a, b = spans.span(key, s)
-                if b > a:
-                    name = f"{group}/{escape(key)}"
-                    f.file_of(name).read_into(name, 0, flat[a:b])
+                name = f"{group}/{escape(key)}"
+                for start, count, offset in spans.runs(key, s, a, b):  # (one run each without tensor_parallel)
+                    f.file_of(name).read_into(name, offset, flat[start:start + count])
             built = (key, full)
         yield built[1]
 

@@ -70,7 +70,7 @@ from torch import nn
 from zfunc import dist
 from zfunc.interpret import check_alive, forget_copies
 from zfunc.interpret import init as init_step
-from zfunc.io.entries import Spans, global_shapes, layout_of, walk, weights_path
+from zfunc.io.entries import Spans, global_shapes, layout_of, tp_layout_of, walk, weights_path
 from zfunc.io.format import CheckpointError, progress_bar
 from zfunc.io.hf_export import export_hf
 from zfunc.io.hf_files import HFCheckpoint
@@ -190,6 +190,10 @@ def load_pretrained(directory: str | os.PathLike, like: TrainState, *, step: Cal
     ckpt = error = plan = ops = None
     total = 0
     layout = None if meta else layout_of(like)
+    if not meta and tp_layout_of(like) is not None:  # (the same on every rank: raised before any exchange)
+        raise ValueError("load_pretrained: this state is split by tensor_parallel; load the pretrained weights "
+                         "into the plain state first (before step.init), then build it with the tensor_parallel "
+                         "step's init")
     try:
         if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"load_pretrained: the state is sharded for rank {layout.rank} of "

@@ -56,7 +56,8 @@ DTYPE_NAMES = {dtype_name(d): d for d in DTYPES}
 
 COMMON_FIELDS = ("format", "format_version", "zfunc_version", "torch_version", "created", "step", "world_size",
                  "stage", "layout", "params", "weights", "groups", "leaves", "files")
-FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties")}  # what each format version's manifest holds
+FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"),  # what each format version's manifest holds
+          3: (*COMMON_FIELDS, "ties", "tensor_parallel")}
 
 
 def rank_file(rank: int, part: int = 0) -> str:
@@ -232,7 +233,8 @@ def validate(m: dict, path: Path) -> None:
     world = f.integer(m["world_size"], "world_size", 1, MAX_RANKS)
     stage = f.integer(m["stage"], "stage", 0, 3)
     params = {k: f.shape(v, f"params[{k!r}]") for k, v in f.mapping(m["params"], "params").items()}
-    _validate_layout(f, m["layout"], stage, world, params)
+    tp = _validate_tensor_parallel(f, m["tensor_parallel"], world, params, m["layout"]) if version >= 3 else None
+    _validate_layout(f, m["layout"], stage, world // (tp or 1), _local_shapes(params, m, tp))
     groups = f.mapping(m["groups"], "groups")
     described = 0  # bytes of tensors the manifest says its files hold
     for name, group in groups.items():
@@ -255,6 +257,47 @@ def validate(m: dict, path: Path) -> None:
     if described > held:
         raise CheckpointError(f"{path}: corrupt or crafted: its shapes describe {described} bytes of tensors, but "
                               f"the files it lists hold {held} bytes in all")
+
+
+def _local_shapes(params: dict[str, tuple[int, ...]], m: dict, tp: int | None) -> dict[str, tuple[int, ...]]:
+    """The shapes one tp rank holds (what a shard layout over dp records)."""
+    if tp is None:
+        return params
+    splits = m["tensor_parallel"]["splits"]
+    return {k: tuple(n // tp if k in splits and d == splits[k][0] else n for d, n in enumerate(s))
+            for k, s in params.items()}
+
+
+def _validate_tensor_parallel(f: Fields, tp: Any, world: int, params: dict[str, tuple[int, ...]],
+                              layout: Any) -> int:
+    """The tp record of a format-3 manifest: its size divides the world, each split is (dim, parts) of a
+    parameter the size divides, and every rank has (dp, tp) coordinates in range, each pair once."""
+    f.record(tp, "tensor_parallel", ("size", "splits", "coords"))
+    size = f.integer(tp["size"], "tensor_parallel.size", 1, MAX_RANKS)
+    if world % size:
+        raise f.fail("tensor_parallel.size", f"{size} does not divide the world size {world}")
+    for key, split in f.mapping(tp["splits"], "tensor_parallel.splits").items():
+        where = f"tensor_parallel.splits[{_short(key)}]"
+        if key not in params:
+            raise f.fail(where, "is not a parameter")
+        dim, parts = f.array(split, where, 2)
+        dim = f.integer(dim, f"{where}[0]", 0, max(0, len(params[key]) - 1))
+        parts = f.integer(parts, f"{where}[1]", 1, MAX_INT)
+        if len(params[key]) == 0 or params[key][dim] % (size * parts):
+            raise f.fail(where, f"splits dim {dim} of {list(params[key])} in {parts} parts over {size} ranks")
+    coords = f.array(tp["coords"], "tensor_parallel.coords", world)
+    dp_world = world // size
+    seen = set()
+    for r, c in enumerate(coords):
+        dp, tp_rank = f.array(c, f"tensor_parallel.coords[{r}]", 2)
+        pair = (f.integer(dp, f"tensor_parallel.coords[{r}][0]", 0, dp_world - 1),
+                f.integer(tp_rank, f"tensor_parallel.coords[{r}][1]", 0, size - 1))
+        if pair in seen:
+            raise f.fail(f"tensor_parallel.coords[{r}]", f"repeats {list(pair)}")
+        seen.add(pair)
+    if layout is None and dp_world != 1:
+        raise f.fail("tensor_parallel.size", f"{size} is not the world size {world} of an unsharded state")
+    return size
 
 
 def _validate_layout(f: Fields, layout: Any, stage: int, world: int, params: dict[str, tuple[int, ...]]) -> None:

@@ -22,6 +22,8 @@ from zfunc.io.entries import (
     escape,
     global_shapes,
     layout_of,
+    TPInfo,
+    overlaps,
     read_rng,
     walk,
     weights_path,
@@ -73,7 +75,11 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
         # A consumed template shares its buffers with the state its step returned: restoring into it would
         # overwrite that live state behind the caller's back.
         check_alive(like, "zfunc.io.restore(like=...)")
-        if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+        tp = TPInfo.of_state(like, g.rank)
+        if tp is not None and layout is not None and layout.world_size * tp.size != g.size:
+            raise CheckpointError(f"restore: the template is sharded over {layout.world_size} dp ranks x tp "
+                                  f"{tp.size}, but {g.size} ranks restore it; build it with this world's step.init")
+        if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, "
                                   f"but this process is rank {g.rank} of {g.size}; build it with this world's "
                                   "step.init")
@@ -254,8 +260,8 @@ class _Reader:
         if problems:
             raise self._fail(f"the checkpoint's parameters differ from the template's:\n{problems}")
         src_layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
-        self.src = Spans(src_layout, saved)
-        dst = Spans(layout, shapes)
+        self.src = Spans(src_layout, saved, TPInfo.from_json(m.get("tensor_parallel")))
+        dst = Spans(layout, shapes, TPInfo.of_state(like, self.rank))
         groups, leaves = walk(like)
         source = {p: p for p in groups if p in m["groups"]}
         mine = weights_path(groups)
@@ -294,16 +300,18 @@ class _Reader:
 
     def _read_group(self, path: str, source: str) -> None:
         """Plan reading the template's group ``path`` (param-shaped) from the checkpoint's group ``source``."""
+        name = lambda key: f"{source}/{escape(key)}"  # noqa: E731
         for key, t in self.groups[path].items():
             a, b = self.dst.local(key, self.rank, t, f"template {path}")
             out = self._flat(t)
+            held, saved = [], {}  # runs of the full parameter each source rank saved (one each without tp)
             for s in range(self.manifest["world_size"]):
                 sa, sb = self.src.span(key, s)
-                lo, hi = max(a, sa), min(b, sb)
-                if hi > lo:
-                    name = f"{source}/{escape(key)}"
-                    self.ops.append((s, name, lo - sa, out, lo - a, hi - lo))
-                    self.sizes[s, name] = sb - sa
+                held += [(start, count, offset, s) for start, count, offset in self.src.runs(key, s, sa, sb)]
+                saved[s] = sb - sa
+            for s, begin, at, count in overlaps(self.dst.runs(key, self.rank, a, b), held):
+                self.ops.append((s, name(key), begin, out, at, count))
+                self.sizes[s, name(key)] = saved[s]
 
     def _reconcile_policies(self, strict: bool) -> None:
         """A checkpoint made under another mixed-precision policy than the template's (read its policy codes
@@ -471,7 +479,7 @@ def check_entries(manifest: dict, files: dict[int, RankFiles], groups, records: 
     client tensors read back): what `zfunc verify` checks beyond the checksums."""
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
     layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes)
+    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")))
     for path in groups:
         for key, dtype in manifest["groups"][path].items():
             name = f"{path}/{escape(key)}"

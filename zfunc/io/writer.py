@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import os
@@ -25,12 +26,14 @@ from zfunc.io.entries import (
     escape,
     global_shapes,
     layout_of,
+    TPInfo,
     walk,
     weights_path,
 )
 from zfunc.io.format import (
     FORMAT,
-    FORMAT_VERSION,
+    TP_FORMAT_VERSION,
+    WRITTEN_VERSION,
     CheckpointError,
     dtype_name,
     progress_bar,
@@ -55,6 +58,7 @@ class _Plan(NamedTuple):
 
     step: int
     layout: ShardLayout | None
+    tp: TPInfo | None  # this rank's tensor-parallel split (coords: its own)
     tensors: list[tuple[str, torch.Tensor]]
     rng: dict
     client_state: Any
@@ -94,8 +98,11 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
         error = f"save: {e}" if isinstance(e, (CheckpointError, TypeError, ValueError)) else \
             f"save: rank {g.rank}: {type(e).__name__}: {e}"
-    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0], g)
+    coords = plan.tp.coords[g.rank] if plan is not None and plan.tp is not None else None
+    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0, coords], g)
     raise_if_failed("save", [v[1] for v in views], g.rank)
+    if plan.tp is not None:  # every rank's (dp, tp) coordinates, for the manifest
+        plan = plan._replace(tp=dataclasses.replace(plan.tp, coords={r: tuple(v[3]) for r, v in enumerate(views)}))
     steps = [v[0] for v in views]
     if len(set(steps)) != 1:
         listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
@@ -152,9 +159,14 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     check_alive(state, "zfunc.io.save")
     step = _step_of(state)
     layout = layout_of(state)
-    if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+    tp = TPInfo.of_state(state, g.rank)
+    if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
         raise CheckpointError(f"the state is sharded for rank {layout.rank} of {layout.world_size}, but this "
                               f"process is rank {g.rank} of {g.size}")
+    if tp is not None and (layout.world_size if layout is not None else 1) * tp.size != g.size:
+        raise CheckpointError(f"the state is split over {layout.world_size if layout is not None else 1} dp ranks "
+                              f"x tp {tp.size}, but {g.size} ranks save it (a pipeline mesh dimension is not saved "
+                              "yet)")
     for alias, key in state.ties:
         if key not in state.params or alias in state.params:
             raise CheckpointError(f"state.ties has {alias!r} -> {key!r}: a tie names a parameter ({key!r} must be "
@@ -162,7 +174,8 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     client_json, client_tensors = encode_client_state(client_state)
     json.dumps(client_json)
     rng, rng_tensors = capture_rng()
-    return _Plan(step, layout, _tensors(state, layout, g.rank) + rng_tensors + client_tensors, rng, client_json)
+    return _Plan(step, layout, tp, _tensors(state, layout, tp, g.rank) + rng_tensors + client_tensors, rng,
+                 client_json)
 
 
 def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: int, nbytes: int) -> list[dict]:
@@ -236,16 +249,24 @@ def _step_of(state: TrainState) -> int:
     return step
 
 
-def _tensors(state: TrainState, layout, rank: int) -> list[tuple[str, torch.Tensor]]:
-    """What of ``state`` this rank writes: replicated leaves (rank 0) and its slices of param-shaped groups."""
+def _tensors(state: TrainState, layout, tp: TPInfo | None, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """What of ``state`` this rank writes: replicated leaves (rank 0) and its slices of param-shaped groups
+    (under tensor_parallel: of its tp shards, the replicated parameters from tp rank 0)."""
     groups, leaves = walk(state)
-    spans = Spans(layout, global_shapes(state, layout))
+    spans = Spans(layout, global_shapes(state, layout), tp)
     tensors: list[tuple[str, torch.Tensor]] = list(leaves.items()) if rank == 0 else []
-    if layout is not None or rank == 0:  # a plain state is the same on every rank: rank 0 writes it
+    if layout is not None or rank == 0 or tp is not None:  # a plain state is the same on every rank: rank 0 writes it
         for path, group in groups.items():
             for key, t in group.items():
-                if layout is None:
+                if layout is None and tp is None:
                     tensors.append((f"{path}/{escape(key)}", t))
+                    continue
+                if tp is not None:
+                    a, b = spans.span(key, rank)
+                    if b <= a:
+                        continue
+                    la, _ = spans.local(key, rank, t, f"save {path}")
+                    tensors.append((f"{path}/{escape(key)}", t.detach().reshape(-1)[a - la:b - la]))
                     continue
                 a, b = spans.span(key, rank)
                 spans.local(key, rank, t, f"save {path}")  # checks t is the whole parameter or this slice
@@ -287,7 +308,7 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         layout_json = layout.to_json()
         del layout_json["rank"]
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "zfunc_version": VERSION,
+        "format": FORMAT, "format_version": WRITTEN_VERSION, "zfunc_version": VERSION,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": plan.step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,
@@ -298,4 +319,5 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         "leaves": {path: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for path, t in leaves.items()},
         "ties": [list(tie) for tie in state.ties],
         "files": infos,
+        **({"format_version": TP_FORMAT_VERSION, "tensor_parallel": plan.tp.to_json()} if plan.tp is not None else {}),
     }

@@ -65,6 +65,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from zfunc import dist
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.mesh import describe_mesh, dim_group
 from zfunc.params_check import check_layout_shapes
 from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
@@ -117,6 +118,10 @@ class shard(Transform):  # noqa: N801
       stage: 1, 2 or 3 (see the module docstring).
       group: a torch.distributed process group (default: the world; a world of 1
         when torch.distributed is not initialized).
+      mesh: a device mesh (`zfunc.mesh.make_mesh`): shard partitions over its
+        ``"dp"`` dimension (this rank's group of ranks that differ only in their dp
+        coordinate); the other dimensions belong to `tensor_parallel` and
+        `pipeline`. Give ``mesh`` or ``group``, not both.
       units: module names gathered/reduced as one collective each (default: the
         model's blocks, `zfunc.blocks.find_blocks`; everything else is the root
         unit). The unit is also the reduce bucket of stage 2.
@@ -133,7 +138,7 @@ class shard(Transform):  # noqa: N801
 
     def __init__(self, step: Callable, stage: Literal[1, 2, 3] = 3, group: Any = None,
                  units: Sequence[str] | None = None, reshard: Literal["release", "recompute"] = "release",
-                 timeout: float | None = None, verify: bool = True) -> None:
+                 timeout: float | None = None, verify: bool = True, mesh: Any = None) -> None:
         # An integer, not merely equal to one: 3.0 == 3, but it would show as 'stage=3.0' in the repr ranks
         # compare, and True == 1 is no stage at all.
         if not isinstance(stage, numbers.Integral) or isinstance(stage, bool) or stage not in (1, 2, 3):
@@ -147,8 +152,13 @@ class shard(Transform):  # noqa: N801
             raise ValueError(f"shard: timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(verify, bool):
             raise ValueError(f"shard: verify must be True or False, got {verify!r}")
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("shard: give mesh= or group=, not both (with a mesh, shard uses mesh['dp'])")
+            group = dim_group(mesh, "dp", "shard")
         super().__init__(step)
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
+        self.mesh = mesh
         self.reshard, self.timeout, self.verify = reshard, timeout, verify
         self.stack.facts  # noqa: B018 - the stack is checked when it is built (e.g. offload(params="host") needs stage 3)
 
@@ -158,6 +168,8 @@ class shard(Transform):  # noqa: N801
             out["units"] = self.units
         if self.reshard != "release":
             out["reshard"] = self.reshard
+        if self.mesh is not None:
+            out["mesh"] = describe_mesh(self.mesh)
         return out
 
     def declare(self, facts: Facts) -> Facts:
@@ -166,6 +178,9 @@ class shard(Transform):  # noqa: N801
 
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group, self.timeout)
+
+    def partition_ranks(self) -> int:
+        return self._group().size
 
     # -- layout --------------------------------------------------------------
     def init_state(self, state):

@@ -42,6 +42,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zfunc import dist
 from zfunc.autodiff import under_torch_func_or_compile
@@ -498,6 +499,8 @@ def _detach_from(out: Any, base: torch.Tensor) -> Any:
     ptr = base.untyped_storage().data_ptr()
     changed = False
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and x.numel() and x.untyped_storage().data_ptr() == ptr:
+        # (A DTensor, e.g. tensor_parallel's sequence-split activations, holds its data in its local tensor.)
+        local = x._local_tensor if isinstance(x, DTensor) else x
+        if isinstance(x, torch.Tensor) and x.numel() and local.untyped_storage().data_ptr() == ptr:
             leaves[i], changed = x.clone(), True
     return torch_pytree.tree_unflatten(leaves, spec) if changed else out
