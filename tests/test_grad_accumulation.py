@@ -163,3 +163,26 @@ def test_parameters_that_autograd_hands_one_gradient_tensor_are_summed_apart():
     whole, split = run(1), run(4)
     for k in whole:
         torch.testing.assert_close(split[k], whole[k], rtol=1e-6, atol=1e-7)
+
+
+def test_fp16_unscales_the_accumulated_fp32_gradient_in_place():
+    """The loss scaler reads accumulate's fp32 sum and unscales it where it is (no copy the size of the
+    accumulator): after the update the step's gradients hold the unscaled values, exactly (the scale is a
+    power of two)."""
+    _, params = setup()
+    seen = {}
+
+    def recording_step(state, batch):
+        _, grads = zf.value_and_grad(lambda p, b: F.cross_entropy(
+            torch.zeros(len(b["y"]), 10) + p["head.bias"].float(), b["y"]))(state.params, batch)
+        seen["scaled"] = {k: g.clone() for k, g in grads.items()}
+        new = state.apply_gradients(grads)
+        seen["after"] = grads
+        return new, {}
+
+    stacked = mixed_precision(accumulate(recording_step, 4), "fp16", initial_scale_power=4)
+    state = stacked.init(zf.TrainState.create({k: v.clone() for k, v in params.items()}, zf.optim.sgd(0.1)))
+    stacked(state, data())
+    assert seen["after"]["head.bias"].dtype == torch.float32
+    for k, scaled in seen["scaled"].items():
+        torch.testing.assert_close(seen["after"][k] * 16, scaled, rtol=0, atol=0)

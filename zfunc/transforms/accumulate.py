@@ -64,7 +64,9 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
     narrower than the compute dtype is refused. Under `shard` stages 2/3 the
     gradients go through the reduce dtype (`mixed_precision`'s
     ``reduce_dtype``, bf16 by default) on the wire; the sum is in ``dtype``.
-    The fp16 loss scaler and gradient clipping see the accumulated gradient.
+    The fp16 loss scaler and gradient clipping see the accumulated gradient;
+    the returned gradients are the step's own buffers, which
+    ``state.apply_gradients`` may consume in place (fp16 unscales them there).
     """
 
     name = "accumulate"

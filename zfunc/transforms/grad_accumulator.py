@@ -100,6 +100,7 @@ class GradAccumulator:
         self.fed: set[str] = set()  # keys whose gradient arrives per unit
         self.tree: dict[str, torch.Tensor] = {}  # the other keys' sums
         self.host_adder: HostAdder | None = None  # sums GPU gradients into host buffers off backward's thread
+        self.handed: dict[int, torch.Tensor] = {}  # the sums `mean` handed out, by identity
 
     def add_unit(self, unit: UnitLayout, rank: int, shard: torch.Tensor) -> None:
         """``acc[unit] += shard`` (this rank's reduced flat shard), on the unit's optimizer tier.
@@ -191,7 +192,14 @@ class GradAccumulator:
                     t.div_(k)
         result = {key: out[key] for key in like}
         self.begin()
+        if not tracing():
+            self.handed = {id(t): t for t in result.values()}
         return result
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is one of the sums `mean` handed out: the step's own buffer, which the update may
+        consume in place (fp16's unscaling, instead of a copy the size of the accumulator)."""
+        return bool(self.handed) and self.handed.get(id(t)) is t  # (nothing is handed out while compiling)
 
 
 class HostAdder:

@@ -514,8 +514,11 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
 
         info = self.call_scratch()
         scale = mp.loss_scale
-        # Unscale into fresh master-dtype tensors (never in place into the caller's grads).
-        grads = {k: g.to(master_dtype, copy=True) for k, g in grads.items()}
+        # Unscale into fresh master-dtype tensors (never in place into the caller's grads), except
+        # `accumulate`'s own fp32 sums, which the update consumes in place (no copy of the accumulator).
+        sink = current().grad_sink
+        grads = {k: g if sink is not None and g.dtype == master_dtype and sink.owns(g)
+                 else g.to(master_dtype, copy=True) for k, g in grads.items()}
         found = unscale_and_check_(list(grads.values()), scale)
         found = psum(found)  # all ranks see the same flag sum under shard, so they skip together
         overflow = found > 0

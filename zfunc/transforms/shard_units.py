@@ -17,7 +17,9 @@ differentiable with respect to this rank's shards:
   asynchronously. Autograd never sums two buffers whose reductions are still
   in flight: each slice gets exactly one gradient, from the last use.
   Uses are counted in the forward pass (never in backward's recomputes), so
-  "the last one" is known. Reductions are waited for when the backward pass
+  "the last one" is known. Under `accumulate` the reduced shard is added into
+  the call's accumulator as it lands (`Units.reduce_into_sink`), on the tier
+  of the unit's optimizer state, and autograd gets zeros that take no memory. Reductions are waited for when the backward pass
   returns (`finish_pass`, from the ``gradients_ready`` primitive): under
   `checkpoint`, whose recomputes run nested backward passes, communication
   still overlaps the rest of backward.
