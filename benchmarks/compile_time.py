@@ -13,6 +13,9 @@ and warm figures.
 Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel from a config):
 
 - ``floor``: ``torch.compile(model)``, forward and backward compiled, torch's AdamW eager;
+- ``zfunc-s3``: the eager step, nothing compiled: its "compile" figure is what a first step costs
+  besides compiling (building the shard layout's tables, the CPU Adam kernel's JIT on a CPU), to
+  subtract from the compiled zfunc contenders' figures;
 - ``zfunc-s3-compiled``: ``torch.compile(shard(mixed_precision(step), stage=3), fullgraph=True)``,
   the whole step in one graph (every block unrolled);
 - ``zfunc-s3-blocks`` / ``zfunc-s3-checkpoint-blocks``: ``compile_blocks`` (regional compile: each
@@ -35,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CONTENDERS = ["floor", "zfunc-s3-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
+CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
 SHAPES = {"tiny": (128, 4, 4, 512), "medium": (1024, 24, 16, 50257)}  # n_embd, n_layer, n_head, vocab
 
 
