@@ -12,7 +12,8 @@ stand-ins below, the only difference from the text:
 - `FILES`: written into the directory the file's blocks run in (their working
   directory, fresh per doc file, so relative paths such as "ckpt" land there);
 - `REWRITES`: text replaced in a block before it runs (absolute paths on the user's
-  machine); each must occur in some block, so the list cannot go stale;
+  machine, what transformers needs on a machine without a GPU); each must occur in some
+  block, so the list cannot go stale;
 - `ENVIRONMENT`: the variables torchrun sets, for a world of one process, so that a
   block's ``dist.init_process_group(...)`` makes a group of one (gloo on this CPU
   machine: the docs pick "nccl" only when CUDA is available). A group a section leaves
