@@ -112,7 +112,7 @@ STAND_INS = {
                                           lambda run: importlib.import_module("transformers").default_data_collator),
     # Lightning's (README's section and docs/lightning.md's).
     "Coming from Lightning::model": (f"examples.lightning_gpt.CharGPT, a LightningModule around GPT(cfg) (cfg as "
-                                     "above), AdamW with a warmup", lambda run: _char_gpt()),
+                                     "above), AdamW with a warmup", lambda run: _char_gpt(run.given("cfg"))),
     "Coming from Lightning::train_loader": (f"a DataLoader of {BATCH * 4} (x, y) token windows in batches of {BATCH} "
                                             "(one update of 4 batches per epoch)",
                                             lambda run: _windows_loader(BATCH * 4, seed=1)),
@@ -133,10 +133,10 @@ def _token_examples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": x, "labels": x.clone()} for x in ids]  # (GPT2LMHeadModel shifts the labels itself)
 
 
-def _char_gpt():
+def _char_gpt(cfg):
     from examples.lightning_gpt import CharGPT
 
-    return CharGPT(STAND_INS["cfg"][1](None), lr=1e-3, warmup=1, total_steps=4)
+    return CharGPT(cfg, lr=1e-3, warmup=1, total_steps=4)
 
 
 def _windows_loader(n: int, seed: int):
