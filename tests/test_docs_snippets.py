@@ -12,7 +12,8 @@ stand-ins below, the only difference from the text:
 - `FILES`: written into the directory the file's blocks run in (their working
   directory, fresh per doc file, so relative paths such as "ckpt" land there);
 - `REWRITES`: text replaced in a block before it runs (absolute paths on the user's
-  machine); each must occur in some block, so the list cannot go stale;
+  machine, what transformers needs on a machine without a GPU); each must occur in some
+  block, so the list cannot go stale;
 - `ENVIRONMENT`: the variables torchrun sets, for a world of one process, so that a
   block's ``dist.init_process_group(...)`` makes a group of one (gloo on this CPU
   machine: the docs pick "nccl" only when CUDA is available). A group a section leaves
@@ -64,6 +65,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DATA = Path(__file__).resolve().parent / "data"
 
 VOCAB, SEQ, BATCH, BATCHES = 32, 16, 8, 2
+HF_TRAIN = 32  # examples in the Hugging Face Trainer's train set
 
 
 def _gpt_classes():
@@ -99,7 +101,47 @@ STAND_INS = {
                  lambda run: False),
     "args": ("transformers' TrainingArguments values, as an object with those attribute names (from_config "
              "takes any such object)", lambda run: types.SimpleNamespace(**HF_ARGS)),
+    # The Hugging Face Trainer's inputs (README's section and docs/huggingface.md's).
+    "Coming from Hugging Face::model": (f"a GPT2LMHeadModel from GPT2Config(vocab_size={VOCAB}, n_positions={SEQ}, "
+                                        "n_embd=32, n_layer=2, n_head=2)", lambda run: _tiny_gpt2()),
+    "Coming from Hugging Face::train": (f"{HF_TRAIN} examples {{'input_ids', 'labels'}} of {SEQ} tokens (one update "
+                                        "of 4 x 8 per epoch)", lambda run: _token_examples(HF_TRAIN, seed=1)),
+    "Coming from Hugging Face::val": ("8 such examples", lambda run: _token_examples(8, seed=2)),
+    "Coming from Hugging Face::test": ("8 such examples", lambda run: _token_examples(8, seed=3)),
+    "Coming from Hugging Face::collate": ("transformers.default_data_collator (stacks the examples' tensors)",
+                                          lambda run: importlib.import_module("transformers").default_data_collator),
+    # Lightning's (README's section and docs/lightning.md's).
+    "Coming from Lightning::model": (f"examples.lightning_gpt.CharGPT, a LightningModule around GPT(cfg) (cfg as "
+                                     "above), AdamW with a warmup", lambda run: _char_gpt(run.given("cfg"))),
+    "Coming from Lightning::train_loader": (f"a DataLoader of {BATCH * 4} (x, y) token windows in batches of {BATCH} "
+                                            "(one update of 4 batches per epoch)",
+                                            lambda run: _windows_loader(BATCH * 4, seed=1)),
+    "Coming from Lightning::val_loader": (f"{BATCH} such windows", lambda run: _windows_loader(BATCH, seed=2)),
+    "Coming from Lightning::test_loader": (f"{BATCH} such windows", lambda run: _windows_loader(BATCH, seed=3)),
 }
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                                      bos_token_id=0, eos_token_id=0))
+
+
+def _token_examples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]  # (GPT2LMHeadModel shifts the labels itself)
+
+
+def _char_gpt(cfg):
+    from examples.lightning_gpt import CharGPT
+
+    return CharGPT(cfg, lr=1e-3, warmup=1, total_steps=4)
+
+
+def _windows_loader(n: int, seed: int):
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, torch.roll(x, -1, dims=1)), batch_size=BATCH)
 
 HF_ARGS = dict(learning_rate=3e-4, warmup_steps=10, max_steps=100, per_device_train_batch_size=4,
                gradient_accumulation_steps=2, fp16=False, bf16=True, adam_beta1=0.9, adam_beta2=0.999,
@@ -133,6 +175,9 @@ FILES = {
 REWRITES = {
     '"/nvme"': ("a fresh directory in the run's directory, quoted (the user's NVMe mount)",
                 lambda workdir: repr(str(workdir / "nvme"))),
+    "bf16=True,": ("the same plus use_cpu=True where there is no GPU (transformers' TrainingArguments refuses bf16 "
+                   "on a machine without one unless told to train on the CPU)",
+                   lambda workdir: "bf16=True," + ("" if torch.cuda.is_available() else " use_cpu=True,")),
 }
 
 # Environment while a block runs: what torchrun sets in each process, here for a world of one.
