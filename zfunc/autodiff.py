@@ -75,6 +75,10 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
         _refuse_nonfinite_loss(split_loss(out, has_aux)[0], allow_nonfinite)
         return out
 
+    # (Read by `pipeline`, whose loss exists on the last stage only: it checks the loss itself, once every
+    # stage has it, honouring this setting.)
+    checked_fn.allow_nonfinite = allow_nonfinite
+
     @functools.wraps(fn)
     def value_and_grad_fn(params, *args, **kwargs):
         return dispatch("value_and_grad", plain_value_and_grad, checked_fn, params, args, kwargs, has_aux)
@@ -90,8 +94,8 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
     most, never for the backward, so it keeps issuing work ahead of the GPU.
     """
     ctx = current()
-    if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
-        return
+    if under_torch_func_or_compile() or (ctx is not None and (ctx.facts.loss_scaling != "none" or ctx.facts.pp > 1)):
+        return  # (fp16's scaler skips such steps; `pipeline` checks the loss once its last stage broadcast it)
     if loss.is_meta or is_fake(loss):  # (the planner measures a step on fake tensors: there are no values)
         return
     # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code

@@ -96,6 +96,8 @@ class Facts:
       micro_batches: forward/backward passes per update (`accumulate`).
       recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
         with ``reshard="recompute"``): activations of one block, not of all.
+      pp: the pipeline-parallel degree (`pipeline`): each rank holds the parameters of its stages only, and
+        the loss exists on the last stage (which is why `pipeline` checks it for NaN itself).
     """
 
     compute_dtype: torch.dtype | None = None
@@ -110,6 +112,7 @@ class Facts:
     fused_update: bool | None = None  # None: nobody declared; the pure update
     micro_batches: int = 1
     recompute: bool = False
+    pp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
         return dataclasses.replace(self, **changes)
@@ -339,7 +342,7 @@ class Transform:
             if inner.level > self.level:
                 raise ValueError(
                     f"{self.name}(...) cannot wrap {inner.name}(...): {inner.name} must be the outer one. "
-                    f"Order transforms as shard(offload(compute_transforms(step))), e.g. "
+                    f"Order transforms as shard(offload(pipeline(tensor_parallel(compute_transforms(step))))), e.g. "
                     f"{inner.name}({self.name}(step)) instead of {self.name}({inner.name}(step)).")
         self.step = step
 
@@ -471,7 +474,15 @@ class Transform:
           A dict of fresh tensors: later steps do not change them.
         """
         check_alive(state, f"{self.name}(...).gather")
-        return fresh_copies(self._gather(state), state)
+        full = self._gather(state)
+        for transform in _wrapped(self):  # e.g. tensor_parallel's all-gather over its dim, after shard's
+            full = transform.complete_gather(full, state)
+        return fresh_copies(full, state)
+
+    def complete_gather(self, params: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
+        """The parameters the outermost transform's gather collected, made whole along this transform's own
+        mesh dimension (default: as they are). Runs after every ``gather_params``, outermost first."""
+        return params
 
     def _gather(self, state) -> dict[str, torch.Tensor]:
         inner = self.step._gather if isinstance(self.step, Transform) else _plain_gather
