@@ -1,0 +1,317 @@
+"""pipeline: each schedule, composition with shard on a (dp, pp) mesh, tied weights, clipping, bad input,
+counters, gather and checkpoints, against the plain step element-wise (fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import zfunc as zf
+from tests.models import make_batch, tiny_lm_step
+from zfunc.mesh import make_mesh
+from zfunc.testing import run_distributed
+from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, pipeline, shard
+
+transformers.logging.set_verbosity_error()
+STEPS = 2
+BATCH = 8
+
+
+# -- models -----------------------------------------------------------------------------------------------
+class UnevenBlock(nn.Module):
+    def __init__(self, width: int, hidden: int, bias: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden, bias=bias)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class UnevenMLP(nn.Module):
+    """A plain torch model: blocks of very different sizes (one without a bias, one with a frozen weight),
+    an input projection before them and a head after."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.blocks = nn.Sequential(*(UnevenBlock(width, h, bias=i != 1) for i, h in enumerate((3, 29, 5, 17, 2))))
+        self.blocks[2].up.weight.requires_grad_(False)
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+
+def hf_config(name: str, layers: int = 4):
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel, transformers.GPT2Config(
+            n_embd=16, n_layer=layers, n_head=2, n_positions=16, vocab_size=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=32, tie_word_embeddings=name == "llama-tied")
+
+
+def build(model: str, opt: str = "adamw"):
+    """``(train_step, plain state, batch_of(i))`` for a model, identical on every rank."""
+    torch.manual_seed(0)
+    if model == "tiny":
+        net = tiny_lm_step(depth=5)[0]
+    elif model == "uneven":
+        net = UnevenMLP()
+    else:
+        cls, cfg = hf_config(model)
+        net = cls(cfg)
+    apply_fn, params = zf.functional(net)
+    if model == "uneven":
+        def loss_fn(p, batch):
+            return F.mse_loss(apply_fn(p, batch["x"]), batch["y"])
+
+        def batch_of(i):
+            g = torch.Generator().manual_seed(i)
+            return {"x": torch.randn(BATCH, 4, generator=g), "y": torch.randn(BATCH, 3, generator=g)}
+    elif model == "tiny":
+        def loss_fn(p, batch):
+            logits = apply_fn(p, batch["x"])
+            return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten())
+
+        def batch_of(i):
+            return make_batch(BATCH, seed=i)
+    else:
+        def loss_fn(p, batch):
+            return apply_fn(p, input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+
+        def batch_of(i):
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(0, 32, (BATCH, 6), generator=g)}
+
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    # (Hugging Face models train with SGD here: GPT-2's attention key bias has a gradient that is zero but for
+    # rounding, and Adam's first steps turn any rounding difference there into a full-size update.)
+    hf = model not in ("tiny", "uneven")
+    tx = zf.optim.sgd(0.1, momentum=0.9) if hf else zf.optim.adamw(1e-2, weight_decay=0.1)
+    if opt == "clip":
+        tx = zf.optim.chain(zf.optim.clip_by_global_norm(0.05), tx)
+    state = zf.TrainState.create({k: v.clone() for k, v in params.items()}, tx, ties=params.ties, blocks=params.blocks)
+    return train_step, state, batch_of
+
+
+def plain(model: str, opt: str = "adamw", micro_batches: int = 2) -> dict:
+    """The reference: the plain step, accumulated over the pipeline's micro-batches (`accumulate` equals the
+    plain step, tests/test_transforms.py; with the same micro-batches the float sums are the pipeline's, so
+    Adam's first steps, which amplify rounding where a gradient is near zero, compare tightly)."""
+    step, state, batch_of = build(model, opt)
+    step = accumulate(step, micro_batches) if micro_batches > 1 else step
+    losses = []
+    for i in range(STEPS):
+        state, metrics = step(state, batch_of(i))
+        losses.append(float(metrics["loss"]))
+    return {"params": {k: v.numpy().copy() for k, v in state.params.items()}, "losses": losses}
+
+
+def pipelined(model: str, schedule: str = "1F1B", micro_batches: int = 2, opt: str = "adamw", dp: int = 1,
+              pp: int = 2, wrap=None) -> dict:
+    step, state, batch_of = build(model, opt)
+    mesh = make_mesh(dp=dp, pp=pp)
+    inner = wrap(step) if wrap is not None else step
+    pipelined_step = pipeline(inner, schedule=schedule, micro_batches=micro_batches, mesh=mesh)
+    if dp > 1:
+        pipelined_step = shard(pipelined_step, stage=1, mesh=mesh)
+    state = pipelined_step.init(state)
+    dp_rank = mesh["dp"].get_local_rank()
+    keys = sorted(state.params)
+    losses = []
+    for i in range(STEPS):
+        batch = {k: v.chunk(dp)[dp_rank] for k, v in batch_of(i).items()}
+        state, metrics = pipelined_step(state, batch)
+        losses.append(float(metrics["loss"]))
+    full = pipelined_step.gather(state)
+    return {"params": {k: v.numpy().copy() for k, v in full.items()}, "losses": losses, "keys": keys,
+            "counters": {k: v for k, v in metrics.items() if k.startswith("pp_")}, "repr": repr(pipelined_step)}
+
+
+def assert_equivalent(outs: list, ref: dict, dp: int = 1) -> None:
+    for rank, out in enumerate(outs):
+        assert out["params"].keys() == ref["params"].keys()
+        for key, value in ref["params"].items():
+            np.testing.assert_allclose(out["params"][key], value, rtol=2e-5, atol=2e-6, err_msg=f"rank {rank} {key}")
+        if dp == 1:
+            np.testing.assert_allclose(out["losses"], ref["losses"], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(model: str, opt: str = "adamw", micro_batches: int = 2) -> dict:
+        if (model, opt, micro_batches) not in cache:
+            cache[model, opt, micro_batches] = run_distributed(plain, 1, model, opt, micro_batches)[0]
+        return cache[model, opt, micro_batches]
+    return get
+
+
+# -- equivalence ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", ["tiny", "uneven", "gpt2"])
+def test_pp2_1f1b_equals_the_plain_step(model, references):
+    outs = run_distributed(pipelined, 2, model)
+    assert_equivalent(outs, references(model))
+    # Each rank holds its stage's parameters only; together every parameter once.
+    assert not set(outs[0]["keys"]) & set(outs[1]["keys"])
+    assert set(outs[0]["keys"]) | set(outs[1]["keys"]) == set(references(model)["params"])
+
+
+def test_tied_embedding_is_held_by_the_first_stage_and_trained_by_both_uses(references):
+    # GPT-2's wte is the embedding (stage 0) and the head (stage 1): stage 0 owns it; its update uses both
+    # gradients, which the equality with the plain step checks; stage 1 holds no copy that could drift.
+    outs = run_distributed(pipelined, 2, "gpt2")
+    assert "transformer.wte.weight" in outs[0]["keys"] and "transformer.wte.weight" not in outs[1]["keys"]
+    assert "transformer.ln_f.weight" in outs[1]["keys"] and "transformer.wpe.weight" in outs[0]["keys"]
+    assert outs[0]["counters"]["pp_tied_sent"] == 1 and outs[1]["counters"]["pp_tied_received"] == 1
+    assert_equivalent(outs, references("gpt2"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "llama-tied"])
+def test_pp2_llama_equals_the_plain_step(model, references):
+    assert_equivalent(run_distributed(pipelined, 2, model), references(model))
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zero_bubble"])
+def test_interleaved_schedules_equal_the_plain_step(schedule, references):
+    # Two stages per rank (blocks 0-1 and 3 on rank 0, 2 and 4 with the head on rank 1).
+    outs = run_distributed(pipelined, 2, "tiny", schedule, 4)
+    assert_equivalent(outs, references("tiny", "adamw", 4))
+    assert {"blocks.0.up.weight", "blocks.1.up.weight", "blocks.3.up.weight"} <= set(outs[0]["keys"])
+    assert {"blocks.2.up.weight", "blocks.4.up.weight", "final_norm.weight"} <= set(outs[1]["keys"])
+
+
+def test_clipping_by_the_global_norm_over_stages(references):
+    # The clip's norm must be the whole model's (psum over pp; the tied weight counted once): a per-stage
+    # norm would clip each stage differently from the plain step.
+    ref = references("tiny", "clip")
+    assert_equivalent(run_distributed(pipelined, 2, "tiny", "1F1B", 2, "clip"), ref)
+
+
+def test_pp2_x_dp2_with_shard_on_a_mesh(references):
+    outs = run_distributed(pipelined, 4, "gpt2", "1F1B", 2, "clip", 2, 2)
+    assert_equivalent(outs, references("gpt2", "clip", 4), dp=2)
+    assert "shard(pipeline(train_step, stages=2, schedule='1F1B', micro_batches=2, mesh='dp2xpp2xtp1'), stage=1" \
+        in outs[0]["repr"]
+    # The two dp replicas of a stage hold the same parameters; stage ranks differ.
+    mesh_pp = [0, 1, 0, 1]
+    for rank, out in enumerate(outs):
+        assert out["keys"] == outs[mesh_pp[rank]]["keys"]
+
+
+@pytest.mark.slow
+def test_pp4_equals_the_plain_step(references):
+    outs = run_distributed(pipelined, 4, "uneven", "1F1B", 4, "clip", 1, 4)
+    assert_equivalent(outs, references("uneven", "clip", 4))
+
+
+def test_pipeline_over_checkpoint_and_mixed_precision_fp32(references):
+    wrap = lambda step: checkpoint(mixed_precision(step, "fp32"))  # noqa: E731
+    assert_equivalent(run_distributed(pipelined, 2, "tiny", "1F1B", 2, "adamw", 1, 2, wrap), references("tiny"))
+
+
+# -- counters -------------------------------------------------------------------------------------------------
+def test_counters_one_activation_and_one_gradient_per_micro_batch_and_boundary():
+    outs = run_distributed(pipelined, 2, "uneven", "1F1B", 4)
+    first, last = outs[0]["counters"], outs[1]["counters"]
+    m, width = 4, 6
+    assert first == {"pp_activations_sent": m, "pp_activations_received": 0, "pp_gradients_sent": 0,
+                     "pp_gradients_received": m, "pp_tied_sent": 0, "pp_tied_received": 0,
+                     "pp_elements": 2 * BATCH * width}
+    assert last == {"pp_activations_sent": 0, "pp_activations_received": m, "pp_gradients_sent": m,
+                    "pp_gradients_received": 0, "pp_tied_sent": 0, "pp_tied_received": 0,
+                    "pp_elements": 2 * BATCH * width}
+
+
+# -- ordering and bad input -------------------------------------------------------------------------------------
+def test_ordering_rules_name_the_right_order():
+    step = tiny_lm_step()[2]
+    with pytest.raises(ValueError, match=r"offload\(pipeline\(step\)\) instead of pipeline\(offload\(step\)\)"):
+        pipeline(offload(step))
+    with pytest.raises(ValueError, match=r"pipeline\(checkpoint\(step\)\) instead of checkpoint\(pipeline\(step\)\)"):
+        checkpoint(pipeline(step))
+    with pytest.raises(ValueError, match=r"pipeline\(mixed_precision\(step\)\) instead"):
+        mixed_precision(pipeline(step), "bf16")
+    with pytest.raises(ValueError, match=r"shard\(pipeline\(\.\.\.\), stage=1\)"):
+        shard(pipeline(step), stage=2)
+    with pytest.raises(ValueError, match="accumulate inside pipeline is refused"):
+        pipeline(accumulate(step, 2))
+    with pytest.raises(ValueError, match="fp16 loss scaling"):
+        pipeline(mixed_precision(step, "fp16"))
+    shard(offload(pipeline(checkpoint(mixed_precision(step, "bf16")))), stage=1)  # the right order builds
+
+
+def bad_inputs() -> dict:
+    out = {}
+    step, state, batch_of = build("tiny")
+    pipelined_step = pipeline(step, micro_batches=3)
+    s = pipelined_step.init(state)
+    try:
+        pipelined_step(s, batch_of(0))  # batch 8, 3 micro-batches
+    except ValueError as err:
+        out["micro_batches"] = str(err)
+    step, state, _ = build("uneven")
+    try:
+        pipeline(step, schedule="interleaved", micro_batches=2).init(state)  # 4 stages, 5 blocks: fine
+        out["interleaved_ok"] = True
+        step, state, _ = build("tiny")
+        state = zf.TrainState.create(state.params, state.tx, ties=dict(state.ties), blocks=list(state.blocks)[:3])
+        pipeline(step, schedule="interleaved").init(state)  # 4 stages, 3 blocks
+    except ValueError as err:
+        out["stages"] = str(err)
+    try:
+        pipeline(step, stages=3)
+    except ValueError as err:
+        out["stages_arg"] = str(err)
+    try:
+        pipeline(step, mesh=make_mesh(dp=2, pp=1) if False else make_mesh(dp=1, pp=2), group=object())
+    except ValueError as err:
+        out["mesh_and_group"] = str(err)
+    return out
+
+
+def test_bad_input_is_refused_before_the_first_step():
+    for out in run_distributed(bad_inputs, 2):
+        assert "splits every batch tensor along dim 0 into 3 equal micro-batches" in out["micro_batches"]
+        assert "make the batch size a multiple of 3" in out["micro_batches"]
+        assert out["interleaved_ok"]
+        assert "4 stages but the model has 3 blocks" in out["stages"]
+        assert "runs 2 stages (1 per rank), got stages=3" in out["stages_arg"]
+        assert "give mesh= or group=, not both" in out["mesh_and_group"]
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        pipeline(tiny_lm_step()[2], schedule="1f1b")
+    with pytest.raises(ValueError, match="micro_batches must be a positive int"):
+        pipeline(tiny_lm_step()[2], micro_batches=0)
+
+
+def test_the_model_outside_value_and_grad_is_refused_clearly():
+    def run() -> str:
+        _, state, batch_of = build("tiny")
+        net = tiny_lm_step(depth=5)[0]
+        apply_fn, _ = zf.functional(net)
+
+        def step(state, batch):
+            apply_fn(state.params, batch["x"])  # an evaluation forward inside the step
+            return state, {}
+
+        pipelined_step = pipeline(step)
+        try:
+            pipelined_step(pipelined_step.init(state), batch_of(0))
+        except RuntimeError as err:
+            return str(err)
+        return "not refused"
+
+    for out in run_distributed(run, 2):
+        assert "the model ran outside zf.value_and_grad" in out and "step.gather(state)" in out
