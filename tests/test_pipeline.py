@@ -315,3 +315,29 @@ def test_the_model_outside_value_and_grad_is_refused_clearly():
 
     for out in run_distributed(run, 2):
         assert "outside zf.value_and_grad" in out and "step.gather(state)" in out
+
+
+# -- plan -------------------------------------------------------------------------------------------------------
+def test_plan_counts_one_pipeline_rank_s_stage_parameters():
+    def run() -> list:
+        step, state, batch_of = build("gpt2")
+        _, params = zf.functional(transformers.GPT2LMHeadModel(hf_config("gpt2")[1]))
+        mesh = make_mesh(dp=2, pp=2)
+        stacked = shard(pipeline(step, micro_batches=2, mesh=mesh), stage=1, mesh=mesh)
+        out = []
+        for pp_rank in (0, 1):
+            p = zf.plan(stacked, lambda p, b: None, batch_of(0), params, measure=False, pp_rank=pp_rank,
+                        baseline=0)
+            out.append((p.parameters, p.tiers["gpu"].params, p.tiers["gpu"].optimizer, p.tiers["gpu"].buffers))
+        return out
+
+    (first, second) = run_distributed(run, 4)[0]
+    _, params = zf.functional(transformers.GPT2LMHeadModel(hf_config("gpt2")[1]))
+    stage0 = sum(v.numel() for k, v in params.items() if k.startswith(("transformer.wte", "transformer.wpe",
+                                                                       "transformer.h.0.", "transformer.h.1.")))
+    stage1 = sum(v.numel() for v in params.values()) - stage0
+    assert first[0] == stage0 and second[0] == stage1
+    assert first[1] >= stage0 * 4 and second[1] >= stage1 * 4  # fp32 parameters of the stage (padded over dp)
+    assert first[2] == pytest.approx(stage0 * 8 / 2, rel=0.05)  # Adam's m and v, partitioned over dp2
+    wte = params["transformer.wte.weight"].numel()
+    assert second[3] == 2 * wte * 4 and first[3] == 0  # the last stage borrows wte (and its gradient)

@@ -45,9 +45,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zfunc.interpret import Facts, Transform
+from zfunc.blocks import find_blocks
+from zfunc.interpret import Facts, Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
+from zfunc.transforms.pipeline import make_pipeline_layout, pipeline
 from zfunc.transforms.shard_layout import ROOT, make_layout
 from zfunc.tree import tree_leaves, tree_map
 
@@ -138,7 +140,7 @@ def _name(dtype: torch.dtype | None) -> str:
 def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], *,
          world_size: int | None = None, blocks: list[str] | None = None, units: list[str] | None = None,
          gpu_bytes: int | None = None, host_bytes: int | None = None, nvme_bytes: int | None = None,
-         measure: bool = True, baseline: int | None = None, fit: bool = True) -> MemoryPlan:
+         measure: bool = True, baseline: int | None = None, fit: bool = True, pp_rank: int = 0) -> MemoryPlan:
     """The memory plan of ``step`` (see the module docstring).
 
     Args:
@@ -154,6 +156,9 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       measure: measure activations (else they count as 0).
       fit: with budgets, choose the placement (else describe the placement the stack declares).
       baseline: the process's resident bytes before training (default: measured now).
+      pp_rank: under `pipeline`, the pipeline rank whose stages are planned (its parameters only, and ``world_size``
+        divided by the pp ranks for `shard`); activations are measured on the whole model for one micro-batch
+        (``batch``): an upper bound for one stage's.
     Returns:
       The `MemoryPlan`.
     """
@@ -164,6 +169,10 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
         world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
     stage = facts.stage
     blocks = blocks if blocks is not None else getattr(params, "blocks", None)
+    borrowed = 0
+    if facts.pp > 1:  # one pipeline rank's stages: their parameters only, shard over the dp ranks
+        params, blocks, borrowed = _pipeline_stage(step, params, blocks, facts.pp, pp_rank)
+        world_size = max(1, world_size // facts.pp)
     layout = make_layout(params, max(stage, 1), world_size, 0, units, blocks)
     psi = sum(u.numel for u in layout.units)
     compute = facts.compute_dtype or next(iter(params.values())).dtype
@@ -185,9 +194,10 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
             return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * reduce_b,
                     (root + 2 * biggest_block) * cb + biggest_block * (cb + reduce_b))
         padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
+        lent = borrowed * 2 * cb  # a tied weight another stage owns, lent for the step, and its gradient
         if stage == 2:
-            return padded, shard_elems * reduce_b, biggest_block * (cb + reduce_b)
-        return (padded, psi * cb, 0) if stage == 1 else (psi * cb, psi * cb, 0)
+            return padded, shard_elems * reduce_b, biggest_block * (cb + reduce_b) + lent
+        return (padded, psi * cb, lent) if stage == 1 else (psi * cb, psi * cb, lent)
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
@@ -216,6 +226,19 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     return MemoryPlan(tiers, psi, world_size, facts,
                       {"device_fraction": round(device_fraction, 4), "nvme_fraction": round(nvme_fraction, 4),
                        "params": params_tier}, tuple(notes))
+
+
+def _pipeline_stage(step, params: dict, blocks, pp: int, pp_rank: int):
+    """``(params, blocks, borrowed elements)`` of pipeline rank ``pp_rank``'s stages (`pipeline`'s layout)."""
+    transform = next(t for t in transforms_of(step) if isinstance(t, pipeline))
+    if blocks is None:
+        blocks = find_blocks({k: v.numel() for k, v in params.items()})
+    ties = sorted(getattr(params, "ties", {}).items())
+    layout = make_pipeline_layout(list(params), ties, list(blocks), {k: tuple(v.shape) for k, v in params.items()},
+                                  transform.stages, pp, pp_rank, transform.schedule)
+    mine = set(layout.local_stages)
+    borrowed = sum(params[k].numel() for k, users in layout.borrowers if mine & set(users))
+    return {k: params[k] for k in layout.keys}, list(layout.blocks), borrowed
 
 
 _CHUNK_BUFFERS = 4  # the streamed host update's double-buffered chunks: gradients in, parameters out
