@@ -36,6 +36,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import is_fake
 
 from zfunc.interpret import LossCheck, current, dispatch, gradients_ready, psum
@@ -100,6 +101,8 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
         return
     # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code
     # may say): every rank then makes the same collectives, whatever each decides.
+    if isinstance(loss, DTensor):  # (tensor_parallel's loss_parallel: a replicated DTensor; its local value)
+        loss = loss.to_local()
     bad = psum((~torch.isfinite(loss.detach())).to(torch.float32))  # under shard: on how many ranks
     if allow:
         return

@@ -17,6 +17,8 @@ primitive              what it means                                      dispat
 ``apply_gradients``    one optimizer update of a state                    `TrainState.apply_gradients`
 ``update_params``      the optimizer arithmetic on (params, grads, state) the plain apply_gradients
 ``psum``               sum a per-shard partial quantity over shards       norms, overflow checks
+``sum_of_squares``     Σ x² of a param-shaped tree, each element counted  `optim.global_norm`
+                       once over the ranks that hold it
 =====================  =================================================  ==========================
 
 Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition
@@ -68,9 +70,10 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 
 from zfunc.materialize import is_meta, materialized
-from zfunc.tree import tree_leaves
+from zfunc.tree import tree_leaves, tree_sum_of_squares
 
-PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum")
+PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum",
+              "sum_of_squares")
 
 Tier = Literal["device", "host", "nvme"]
 
@@ -98,6 +101,7 @@ class Facts:
         with ``reshard="recompute"``): activations of one block, not of all.
       pp: the pipeline-parallel degree (`pipeline`): each rank holds the parameters of its stages only, and
         the loss exists on the last stage (which is why `pipeline` checks it for NaN itself).
+      tp: the tensor-parallel degree (`tensor_parallel`): sharded parameters hold 1/tp of their elements.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -113,6 +117,7 @@ class Facts:
     micro_batches: int = 1
     recompute: bool = False
     pp: int = 1
+    tp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
         return dataclasses.replace(self, **changes)
@@ -268,6 +273,17 @@ def psum(x: torch.Tensor) -> torch.Tensor:
 
 def _identity(x):
     return x
+
+
+def sum_of_squares(tree: Any) -> torch.Tensor:
+    """Σ x² over the elements of ``tree`` (param-shaped: a dict keyed like the params, or any pytree) that
+    this rank should count, as float32 (``psum`` of it is the global squared norm).
+
+    Without transforms every element counts. Under `tensor_parallel` a parameter replicated over the
+    tp ranks (a norm's weight, a row-parallel bias) is counted on one of them only, so that ``psum``
+    over tp adds each element once.
+    """
+    return dispatch("sum_of_squares", tree_sum_of_squares, tree)
 
 
 def gradients_ready(grads: Any) -> Any:
@@ -478,6 +494,16 @@ class Transform:
         for transform in _wrapped(self):  # e.g. tensor_parallel's all-gather over its dim, after shard's
             full = transform.complete_gather(full, state)
         return fresh_copies(full, state)
+
+    def rank_params(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of the model's full ``params`` one rank holds along this transform's mesh dimension, as
+        meta tensors of their shapes (`zfunc.plan` counts bytes from them); default: all of them."""
+        return params
+
+    def partition_ranks(self) -> int | None:
+        """How many ranks this transform partitions the state over (`shard`: its dp group), for `zfunc.plan`;
+        default None (it partitions nothing)."""
+        return None
 
     def complete_gather(self, params: dict[str, torch.Tensor], state) -> dict[str, torch.Tensor]:
         """The parameters the outermost transform's gather collected, made whole along this transform's own

@@ -148,7 +148,8 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       loss_fn: ``loss_fn(params, batch) -> loss``, calling the model's ``apply_fn`` (measured on fake tensors).
       batch: one rank's batch for one micro-batch (tensors, or ``torch.empty`` shapes; any device).
       params: the model's trainable parameters (`zf.functional`'s; meta tensors are enough).
-      world_size: N (default: the current process group's size).
+      world_size: N, the ranks shard partitions over (default: shard's group, e.g. a mesh's dp dim; else the
+        current process group's size).
       blocks, units: the model's blocks (default: recorded on ``params`` by `zf.functional`) and shard's
         ``units=`` if given.
       gpu_bytes, host_bytes, nvme_bytes: what each tier may hold per rank; with them and `offload` in
@@ -156,23 +157,30 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       measure: measure activations (else they count as 0).
       fit: with budgets, choose the placement (else describe the placement the stack declares).
       baseline: the process's resident bytes before training (default: measured now).
-      pp_rank: under `pipeline`, the pipeline rank whose stages are planned (its parameters only, and ``world_size``
-        divided by the pp ranks for `shard`); activations are measured on the whole model for one micro-batch
-        (``batch``): an upper bound for one stage's.
+      pp_rank: under `pipeline`, the pipeline rank whose stages are planned (their parameters only);
+        activations are measured on the whole model for one micro-batch (``batch``): an upper bound for a
+        stage's.
     Returns:
       The `MemoryPlan`.
     """
     facts = step.stack.facts if isinstance(step, Transform) else Facts()
+    splitting = step.stack.transforms if isinstance(step, Transform) else ()
     if world_size is None:
         import torch.distributed as tdist
 
         world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
+        for transform in splitting:  # on a mesh, shard partitions over its dp group (world / (tp * pp))
+            world_size = transform.partition_ranks() or world_size
+    blocks_of, ties_of = getattr(params, "blocks", None), dict(getattr(params, "ties", {}))
+    for transform in splitting:  # tensor_parallel: one rank holds 1/tp of the split parameters
+        params = transform.rank_params(params)
+    if blocks is None:
+        blocks = blocks_of
     stage = facts.stage
     blocks = blocks if blocks is not None else getattr(params, "blocks", None)
-    borrowed = 0
+    borrowed, model_params, model_blocks = 0, params, blocks  # (activations: measured on the whole model)
     if facts.pp > 1:  # one pipeline rank's stages: their parameters only, shard over the dp ranks
-        params, blocks, borrowed = _pipeline_stage(step, params, blocks, facts.pp, pp_rank)
-        world_size = max(1, world_size // facts.pp)
+        params, blocks, borrowed = _pipeline_stage(step, params, ties_of, blocks, facts.pp, pp_rank)
     layout = make_layout(params, max(stage, 1), world_size, 0, units, blocks)
     psi = sum(u.numel for u in layout.units)
     compute = facts.compute_dtype or next(iter(params.values())).dtype
@@ -183,7 +191,8 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     opt_b = 8 + master_b  # m and v (+ the master) per parameter, fp32
     biggest_block = max((u.padded for u in layout.units if u.name != ROOT), default=0)
     root = sum(u.padded for u in layout.units if u.name == ROOT)
-    activations = measure_activations(loss_fn, batch, params, compute, facts.recompute, blocks) if measure else 0
+    activations = measure_activations(loss_fn, batch, model_params, compute, facts.recompute, model_blocks) \
+        if measure else 0
     notes = []
     baseline = _resident_bytes() if baseline is None else baseline
 
@@ -228,13 +237,12 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
                        "params": params_tier}, tuple(notes))
 
 
-def _pipeline_stage(step, params: dict, blocks, pp: int, pp_rank: int):
+def _pipeline_stage(step, params: dict, ties: dict, blocks, pp: int, pp_rank: int):
     """``(params, blocks, borrowed elements)`` of pipeline rank ``pp_rank``'s stages (`pipeline`'s layout)."""
     transform = next(t for t in transforms_of(step) if isinstance(t, pipeline))
     if blocks is None:
         blocks = find_blocks({k: v.numel() for k, v in params.items()})
-    ties = sorted(getattr(params, "ties", {}).items())
-    layout = make_pipeline_layout(list(params), ties, list(blocks), {k: tuple(v.shape) for k, v in params.items()},
+    layout = make_pipeline_layout(list(params), sorted(ties.items()), list(blocks), {k: tuple(v.shape) for k, v in params.items()},
                                   transform.stages, pp, pp_rank, transform.schedule)
     mine = set(layout.local_stages)
     borrowed = sum(params[k].numel() for k, users in layout.borrowers if mine & set(users))

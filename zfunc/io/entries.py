@@ -224,3 +224,14 @@ def _rng_tensor(read, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         raise CheckpointError(f"{name}: {t.dtype} of shape {list(t.shape)}, not the {dtype} of shape {list(shape)} "
                               "a generator state is")
     return t
+
+
+def refuse_tensor_parallel(state: TrainState, what: str) -> None:
+    """Refuse (on every rank alike, before any exchange) a state split by `tensor_parallel`: the manifest does
+    not record tp placements yet, so its tp-local shards would be saved as if they were whole parameters."""
+    if "tensor_parallel" in getattr(state, "extras", {}):
+        raise ValueError(
+            f"zfunc.io.{what}: this state is split by tensor_parallel, whose placements checkpoints do not record "
+            "yet; its tp-local shards would be saved as whole parameters. Save full parameters instead: "
+            "full = step.gather(state) (every rank), then on rank 0 safetensors.torch.save_file(full, path), and "
+            "start from them with step.init(zf.TrainState.create(full, tx)).")

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from zfunc.interpret import psum
+from zfunc.interpret import psum, sum_of_squares
 from zfunc.optim import checks
 from zfunc.optim.base import EmptyState, GradientTransformation, Hyperparams, first_device
 from zfunc.optim.schedules import ScalarOrSchedule, as_schedule
@@ -49,8 +49,9 @@ def _require_params(params: PyTree, who: str) -> None:
 
 
 def global_norm(tree: PyTree) -> torch.Tensor:
-    """‖tree‖₂ = sqrt(Σ_leaves Σ x²), over all shards when run under `shard` (`zfunc.psum`)."""
-    return psum(tree_sum_of_squares(tree)).sqrt()
+    """‖tree‖₂ = sqrt(Σ_leaves Σ x²), over all shards when run under `shard` (`zfunc.psum`) and over
+    the tp ranks under `tensor_parallel` (each replicated parameter counted once: `sum_of_squares`)."""
+    return psum(sum_of_squares(tree)).sqrt()
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -1,7 +1,7 @@
 """Step transforms: each takes a step and returns a step that computes the same thing differently.
 
-Stack them as ``shard(offload(compute(step)))``, where compute is any mix of
-`accumulate`, `checkpoint` and `mixed_precision`.
+Stack them as ``shard(offload(tensor_parallel(compute(step))))``, where compute is any mix of
+`accumulate`, `checkpoint` and `mixed_precision` (docs/parallelism.md: the mesh and the orders).
 """
 
 from zfunc.transforms.accumulate import accumulate
@@ -10,5 +10,8 @@ from zfunc.transforms.mixed_precision import Policy, mixed_precision
 from zfunc.transforms.offload import offload
 from zfunc.transforms.pipeline import pipeline
 from zfunc.transforms.shard import shard
+from zfunc.transforms.tensor_parallel import tensor_parallel
+from zfunc.transforms.tp_plans import FusedColwise, TPPlan, tp_plan
 
-__all__ = ["Policy", "accumulate", "checkpoint", "mixed_precision", "offload", "pipeline", "shard"]
+__all__ = ["FusedColwise", "Policy", "TPPlan", "accumulate", "checkpoint", "mixed_precision", "offload", "pipeline",
+           "shard", "tensor_parallel", "tp_plan"]

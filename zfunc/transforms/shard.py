@@ -179,6 +179,9 @@ class shard(Transform):  # noqa: N801
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group, self.timeout)
 
+    def partition_ranks(self) -> int:
+        return self._group().size
+
     # -- layout --------------------------------------------------------------
     def init_state(self, state):
         if "shard" in state.extras:
