@@ -341,3 +341,51 @@ def test_plan_counts_one_pipeline_rank_s_stage_parameters():
     assert first[2] == pytest.approx(stage0 * 8 / 2, rel=0.05)  # Adam's m and v, partitioned over dp2
     wte = params["transformer.wte.weight"].numel()
     assert second[3] == 2 * wte * 4 and first[3] == 0  # the last stage borrows wte (and its gradient)
+
+
+# -- tp2 x pp2 ------------------------------------------------------------------------------------------------
+def tp_pp(kind: str) -> dict:
+    from tests.tp_cases import batch, make_step
+    from zfunc.transforms import tensor_parallel, tp_plan
+
+    mesh = make_mesh(pp=2, tp=2)
+    apply_fn, step, state = make_step(kind, "clip")
+    stacked = pipeline(tensor_parallel(step, tp_plan(apply_fn), mesh), micro_batches=2, mesh=mesh)
+    state = stacked.init(state)
+    for i in range(STEPS):
+        state, metrics = stacked(state, batch(i, 0, 1))
+    return {"params": stacked.gather(state), "keys": sorted(state.params), "repr": repr(stacked)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_tp2_x_pp2_equals_the_plain_step(kind):
+    from tests.tp_cases import reference
+
+    ref = reference(kind, STEPS)
+    outs = run_distributed(tp_pp, 4, kind)
+    for rank, out in enumerate(outs):
+        assert set(out["params"]) == set(ref)
+        for key, want in ref.items():  # (tp's tolerance: Adam on gradients summed in another order)
+            torch.testing.assert_close(out["params"][key], want, rtol=1e-5, atol=2e-5,
+                                       msg=lambda m: f"rank {rank} {key}: {m}")
+    # ranks 0, 1 (tp pair) hold stage 0, ranks 2, 3 stage 1
+    assert outs[0]["keys"] == outs[1]["keys"] and outs[2]["keys"] == outs[3]["keys"]
+    assert not set(outs[0]["keys"]) & set(outs[2]["keys"])
+
+
+def test_checkpoints_of_a_pipeline_state_are_refused_not_saved_wrong(tmp_path):
+    def run(directory: str) -> list:
+        step, state, _ = build("tiny")
+        pipelined_step = pipeline(step)
+        state = pipelined_step.init(state)
+        out = []
+        for call in (lambda: zf.io.save(directory, state), lambda: zf.io.restore(directory, like=state)):
+            try:
+                call()
+            except ValueError as err:
+                out.append(str(err))
+        return out
+
+    for out in run_distributed(run, 2, str(tmp_path)):
+        assert len(out) == 2 and all("split into pipeline stages" in e and "step.gather(state)" in e for e in out)

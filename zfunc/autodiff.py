@@ -126,7 +126,13 @@ def grad(fn: Callable, has_aux: bool = False) -> Callable:
 
 
 def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, has_aux: bool):
-    """The untransformed implementation: one forward, one first-order backward."""
+    """The untransformed implementation: one forward, one first-order backward (or, where a transform runs
+    forward and backward itself, its ``StepContext.differentiate``, given the loss function as rewritten by
+    the transforms inside it)."""
+    ctx = current()
+    if ctx is not None and ctx.differentiate is not None:
+        differentiate, ctx.differentiate = ctx.differentiate, None
+        return differentiate(fn, params, args, kwargs, has_aux)
     _check_differentiable(params)
 
     side: dict = {}

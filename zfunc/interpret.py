@@ -158,6 +158,9 @@ class StepContext:
         self.scratch: dict[int, Any] = {}
         self.state_consumed = False
         self.loss_checks: list[LossCheck] = []  # losses to read before the update (`zfunc.autodiff`)
+        # Set by a transform that runs forward and backward itself (`pipeline`: torch's schedule): the plain
+        # value_and_grad hands it the loss function as the transforms inside rewrote it, and returns its result.
+        self.differentiate: Callable | None = None
 
     def finish_loss_checks(self) -> None:
         """Raise if a loss this step made was NaN or infinite (see `LossCheck`); called before the update."""

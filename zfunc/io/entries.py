@@ -235,3 +235,15 @@ def refuse_tensor_parallel(state: TrainState, what: str) -> None:
             "yet; its tp-local shards would be saved as whole parameters. Save full parameters instead: "
             "full = step.gather(state) (every rank), then on rank 0 safetensors.torch.save_file(full, path), and "
             "start from them with step.init(zf.TrainState.create(full, tx)).")
+
+
+def refuse_pipeline(state: TrainState, what: str) -> None:
+    """Refuse (on every rank alike, before any exchange) a state split into stages by `pipeline`: each rank
+    holds only its stages' parameters, and the manifest does not record which rank holds which yet, so a
+    checkpoint would silently hold one stage's parameters only."""
+    if "pipeline" in getattr(state, "extras", {}):
+        raise ValueError(
+            f"zfunc.io.{what}: this state is split into pipeline stages (each rank holds its stages' parameters "
+            "only), which checkpoints do not record yet: it would be saved as one stage's. Save full parameters "
+            "instead: full = step.gather(state) (every rank), then on rank 0 safetensors.torch.save_file(full, "
+            "path), and start from them with step.init(zf.TrainState.create(full, tx)).")

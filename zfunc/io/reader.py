@@ -22,6 +22,7 @@ from zfunc.io.entries import (
     escape,
     global_shapes,
     layout_of,
+    refuse_pipeline,
     refuse_tensor_parallel,
     read_rng,
     walk,
@@ -67,6 +68,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     if not isinstance(like, TrainState):
         raise TypeError(f"restore(like=...) takes a zf.TrainState made by step.init(...), got {type(like).__name__}")
     refuse_tensor_parallel(like, "restore")
+    refuse_pipeline(like, "restore")
     g = dist.Group.resolve(group)
     layout = layout_of(like)
     step_dir = error = None

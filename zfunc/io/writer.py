@@ -25,6 +25,7 @@ from zfunc.io.entries import (
     escape,
     global_shapes,
     layout_of,
+    refuse_pipeline,
     refuse_tensor_parallel,
     walk,
     weights_path,
@@ -87,6 +88,7 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     refuse_tensor_parallel(state, "save")
+    refuse_pipeline(state, "save")
     directory = Path(directory)
     g = dist.Group.resolve(group)
     plan = error = None

@@ -37,11 +37,18 @@ previous stage) in backward, of the tensors the boundary's block returns; plus p
 of the weight and one of its gradient. ``psum`` (norms for clipping, overflow counts) adds over the pp
 ranks (after `shard`'s sum over dp ranks).
 
+How it falls out of the primitives: ``value_and_grad`` lets the transforms inside rewrite the loss
+function as usual, and where the plain implementation would run one forward and backward, torch's
+schedule runs them (``StepContext.differentiate``); ``apply`` skips the other stages' blocks and ends the
+stage's forward (``ModelCall.intercept``); ``psum`` adds over the pp ranks; `step.gather` broadcasts each
+parameter from its stage (``complete_gather``). The update is the inner stack's, on the stage's state.
+
 Composition: ``shard(pipeline(tensor_parallel(checkpoint(mixed_precision(step)))), stage=1, mesh=mesh)``
-on a ``make_mesh(dp=, pp=, tp=)`` mesh: pipeline uses ``mesh["pp"]``, shard ``mesh["dp"]``. shard's
-stages 2 and 3 reduce gradients inside each backward pass, which the schedule runs per micro-batch: they
-are refused under pipeline for now (stage 1, DeepSpeed's choice with pipelines, composes). fp16 loss
-scaling and `accumulate` inside are refused (use bf16 and ``micro_batches``).
+on a ``make_mesh(dp=, pp=, tp=)`` mesh: pipeline uses ``mesh["pp"]``, shard ``mesh["dp"]``,
+tensor_parallel ``mesh["tp"]``. shard's stages 2 and 3 reduce gradients inside each backward pass, which
+the schedule runs per micro-batch: they are refused under pipeline for now (stage 1, DeepSpeed's choice
+with pipelines, composes). fp16 loss scaling and `accumulate` inside are refused (use bf16 and
+``micro_batches``). `zfunc.io` refuses a pipeline state (its manifest does not record stages yet).
 """
 
 from __future__ import annotations
@@ -512,12 +519,24 @@ class pipeline(Transform):  # noqa: N801
         return next(out.to(x.device))
 
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
+        # The transforms inside rewrite the loss function as usual (tensor_parallel's local loss, its
+        # loss_parallel context around the whole schedule); where the plain value_and_grad would run one
+        # forward and backward, torch's schedule runs them, micro-batch by micro-batch (`_differentiate`).
         call: _Call = self.call_scratch()
-        layout, group = call.layout, call.group
         if call.ran:
             raise RuntimeError("pipeline: value_and_grad ran twice in one step; a pipelined step takes one "
                                "value_and_grad (pipeline(..., micro_batches=k) splits the batch)")
         call.ran = True
+        allow = getattr(fn, "allow_nonfinite", False)
+        ctx = current()
+        ctx.differentiate = lambda f, p, a, kw, aux: self._differentiate(call, f, p, a, kw, aux, allow)
+        try:
+            return next(fn, params, args, kwargs, has_aux)
+        finally:
+            ctx.differentiate = None
+
+    def _differentiate(self, call: _Call, fn, params, args, kwargs, has_aux, allow: bool):
+        layout, group = call.layout, call.group
         if set(params) != set(layout.keys):
             raise ValueError("pipeline: value_and_grad was given params other than this stage's (state.params); "
                              "differentiate with respect to state.params as the step received them")
@@ -553,7 +572,6 @@ class pipeline(Transform):  # noqa: N801
         for module in built.modules:  # (drop the leaves: the state keeps the parameters)
             module.load({k: torch.empty(0) for k in module.keys})
         loss = self._loss(layout, group, losses, built)
-        allow = getattr(fn, "allow_nonfinite", False)
         # Counted over every rank (pp ranks hold the same loss: /pp), whatever allow_nonfinite says on each.
         bad = psum((~torch.isfinite(loss)).to(torch.float32)) / group.size
         if not allow:
