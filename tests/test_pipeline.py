@@ -389,3 +389,45 @@ def test_checkpoints_of_a_pipeline_state_are_refused_not_saved_wrong(tmp_path):
 
     for out in run_distributed(run, 2, str(tmp_path)):
         assert len(out) == 2 and all("split into pipeline stages" in e and "step.gather(state)" in e for e in out)
+
+
+def nan_and_aux() -> dict:
+    out = {}
+    step, state, batch_of = build("uneven")
+    pipelined_step = pipeline(step, micro_batches=2)
+    state = pipelined_step.init(state)
+    bad = batch_of(0)
+    bad["x"][5, 0] = float("nan")  # in the second micro-batch only
+    try:
+        pipelined_step(state, bad)
+    except FloatingPointError as err:
+        out["nan"] = str(err)
+    out["alive"] = float(pipelined_step(state, batch_of(1))[1]["loss"])  # the state was left intact
+
+    torch.manual_seed(0)
+    net = UnevenMLP()
+    apply_fn, params = zf.functional(net)
+
+    def loss_fn(p, batch):
+        y = apply_fn(p, batch["x"])
+        return F.mse_loss(y, batch["y"]), {"mean": y.mean(), "n": 3}
+
+    def aux_step(state, batch):
+        (loss, aux), grads = zf.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss, **aux}
+
+    s = zf.TrainState.create({k: v.clone() for k, v in params.items()}, zf.optim.sgd(0.1))
+    aux_pipelined = pipeline(aux_step, micro_batches=2)
+    _, metrics = aux_pipelined(aux_pipelined.init(s), batch_of(0))
+    with torch.no_grad():
+        y = net(batch_of(0)["x"])
+    out["aux"] = (float(metrics["mean"]), metrics["n"], float(y.mean()))
+    return out
+
+
+def test_a_nan_loss_stops_every_rank_and_aux_comes_back_averaged():
+    for out in run_distributed(nan_and_aux, 2):
+        assert "the loss is nan" in out["nan"] and "before any update" in out["nan"]
+        assert np.isfinite(out["alive"])
+        mean, n, want = out["aux"]
+        assert n == 3 and mean == pytest.approx(want, rel=1e-5)
