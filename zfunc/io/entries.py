@@ -27,6 +27,7 @@ import torch
 
 from zfunc.io.format import CheckpointError
 from zfunc.state import TrainState
+from zfunc.transforms.pipeline import PipelineLayout
 from zfunc.transforms.shard_layout import ShardLayout, is_param_shaped
 
 SEP = "/"
@@ -87,15 +88,36 @@ def global_shapes(state: TrainState, layout: ShardLayout | None) -> dict[str, tu
     return {k: shapes[k] for k in state.params}
 
 
-class Spans:
-    """Which flat element range ``[a, b)`` of each parameter a rank holds, for a layout (None: plain)."""
+def pipeline_of(state: TrainState) -> PipelineLayout | None:
+    layout = state.extras.get("pipeline") if isinstance(state.extras, dict) else None
+    return layout if isinstance(layout, PipelineLayout) else None
 
-    def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]]) -> None:
-        self.layout = layout
+
+def all_shapes(state: TrainState, layout: ShardLayout | None) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter of the model, in its order: under `pipeline`, of every stage's."""
+    stages = pipeline_of(state)
+    return dict(stages.shapes) if stages is not None else global_shapes(state, layout)
+
+
+def holders_of(state: TrainState) -> dict[str, int] | None:
+    """Under `pipeline` (alone): the rank holding each parameter (its stage's); None otherwise."""
+    stages = pipeline_of(state)
+    return None if stages is None else {k: stages.rank_of(s) for k, s in stages.owner}
+
+
+class Spans:
+    """Which flat element range ``[a, b)`` of each parameter a rank holds, for a layout (None: plain; with
+    ``holders``, a pipeline's: each parameter whole on the rank of its stage)."""
+
+    def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]],
+                 holders: dict[str, int] | None = None) -> None:
+        self.layout, self.holders = layout, holders
         self.numel = {k: math.prod(s) for k, s in shapes.items()}
         self._where = {k: (u, i) for u in layout.units for i, k in enumerate(u.keys)} if layout else {}
 
     def span(self, key: str, rank: int) -> tuple[int, int]:
+        if self.holders is not None:
+            return (0, self.numel[key]) if self.holders[key] == rank else (0, 0)
         if self.layout is None:
             return (0, self.numel[key]) if rank == 0 else (0, 0)
         unit, index = self._where[key]
@@ -237,13 +259,18 @@ def refuse_tensor_parallel(state: TrainState, what: str) -> None:
             "start from them with step.init(zf.TrainState.create(full, tx)).")
 
 
-def refuse_pipeline(state: TrainState, what: str) -> None:
-    """Refuse (on every rank alike, before any exchange) a state split into stages by `pipeline`: each rank
-    holds only its stages' parameters, and the manifest does not record which rank holds which yet, so a
-    checkpoint would silently hold one stage's parameters only."""
-    if "pipeline" in getattr(state, "extras", {}):
+def refuse_pipeline(state: TrainState, what: str, world_size: int, rank: int) -> None:
+    """Refuse (on every rank alike, before any exchange) a pipeline state checkpoints cannot record yet: one
+    with `shard` or `tensor_parallel` besides (each stage's own layout over dp or tp), or whose pipeline ranks
+    are not the ranks of the world in order."""
+    stages = pipeline_of(state)
+    if stages is None:
+        return
+    if "shard" in state.extras or "tensor_parallel" in state.extras or \
+            (stages.pp, stages.rank) != (world_size, rank):
         raise ValueError(
-            f"zfunc.io.{what}: this state is split into pipeline stages (each rank holds its stages' parameters "
-            "only), which checkpoints do not record yet: it would be saved as one stage's. Save full parameters "
-            "instead: full = step.gather(state) (every rank), then on rank 0 safetensors.torch.save_file(full, "
-            "path), and start from them with step.init(zf.TrainState.create(full, tx)).")
+            f"zfunc.io.{what}: this state is split into pipeline stages and also over other ranks (shard or "
+            "tensor_parallel besides pipeline, or pipeline ranks that are not the world's), which checkpoints "
+            "do not record yet. Save full parameters instead: full = step.gather(state) (every rank), then on "
+            "rank 0 safetensors.torch.save_file(full, path), and start from them with "
+            "step.init(zf.TrainState.create(full, tx)).")

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 FORMAT = "zfunc-checkpoint"
-FORMAT_VERSION = 2  # 2: manifest.sha256, ties, latest records the manifest's digest
+FORMAT_VERSION = 3  # 2: manifest.sha256, ties, latest records the manifest's digest; 3: pipeline stages
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CHUNK = 64 << 20          # bytes per write/read/hash piece of a large tensor

@@ -56,7 +56,9 @@ DTYPE_NAMES = {dtype_name(d): d for d in DTYPES}
 
 COMMON_FIELDS = ("format", "format_version", "zfunc_version", "torch_version", "created", "step", "world_size",
                  "stage", "layout", "params", "weights", "groups", "leaves", "files")
-FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties")}  # what each format version's manifest holds
+# What each format version's manifest holds (3: a checkpoint of a `pipeline` state, whose "pipeline" records
+# the rank that holds each parameter: the rank of its stage).
+FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"), 3: (*COMMON_FIELDS, "ties", "pipeline")}
 
 
 def rank_file(rank: int, part: int = 0) -> str:
@@ -251,6 +253,8 @@ def validate(m: dict, path: Path) -> None:
         described += math.prod(f.shape(leaf["shape"], f"leaves[{name!r}].shape")) * DTYPE_NAMES[dtype].itemsize
     if version >= 2:
         _validate_ties(f, m["ties"], params)
+    if version >= 3:
+        _validate_pipeline(f, m["pipeline"], world, params, stage)
     held = _validate_files(f, m["files"], world)
     if described > held:
         raise CheckpointError(f"{path}: corrupt or crafted: its shapes describe {described} bytes of tensors, but "
@@ -282,6 +286,22 @@ def _validate_layout(f: Fields, layout: Any, stage: int, world: int, params: dic
                 raise f.fail(f"{where}.shapes[{j}]", f"is {shape}, params has {list(params[key])} for {key!r}")
     if seen != params.keys():
         raise f.fail("layout.units", f"leave out parameters {sorted(params.keys() - seen)[:5]}")
+
+
+def _validate_pipeline(f: Fields, pipeline: Any, world: int, params: dict, stage: int) -> None:
+    f.record(pipeline, "pipeline", ("pp", "holders", "stage_blocks"))
+    pp = f.integer(pipeline["pp"], "pipeline.pp", 1, MAX_RANKS)
+    if pp != world or stage != 0:
+        raise f.fail("pipeline", f"is for {pp} pipeline ranks of stage-0 state, the manifest for {world} ranks, "
+                                 f"stage {stage}")
+    holders = f.mapping(pipeline["holders"], "pipeline.holders")
+    if holders.keys() != params.keys():
+        raise f.fail("pipeline.holders", "must name the rank of exactly the parameters in params")
+    for key, rank in holders.items():
+        f.integer(rank, f"pipeline.holders[{_short(key)}]", 0, world - 1)
+    for i, blocks in enumerate(f.array(pipeline["stage_blocks"], "pipeline.stage_blocks")):
+        for j, block in enumerate(f.array(blocks, f"pipeline.stage_blocks[{i}]")):
+            f.string(block, f"pipeline.stage_blocks[{i}][{j}]")
 
 
 def _validate_ties(f: Fields, ties: Any, params: dict) -> None:

@@ -20,7 +20,7 @@ from zfunc.io.entries import (
     apply_rng,
     decode_client_state,
     escape,
-    global_shapes,
+    all_shapes,
     layout_of,
     refuse_pipeline,
     refuse_tensor_parallel,
@@ -68,8 +68,8 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     if not isinstance(like, TrainState):
         raise TypeError(f"restore(like=...) takes a zf.TrainState made by step.init(...), got {type(like).__name__}")
     refuse_tensor_parallel(like, "restore")
-    refuse_pipeline(like, "restore")
     g = dist.Group.resolve(group)
+    refuse_pipeline(like, "restore", g.size, g.rank)
     layout = layout_of(like)
     step_dir = error = None
     try:
@@ -250,14 +250,14 @@ class _Reader:
 
     def _plan(self, layout: ShardLayout | None, strict: bool) -> None:
         m, like = self.manifest, self.like
-        shapes = global_shapes(like, layout)
+        shapes = all_shapes(like, layout)  # (under pipeline: every stage's, compared with the checkpoint's)
         saved = {k: tuple(s) for k, s in m["params"].items()}
         problems = describe_mismatch({k: torch.empty(s, device="meta") for k, s in shapes.items()},
                                      {k: torch.empty(s, device="meta") for k, s in saved.items()}, what="checkpoint")
         if problems:
             raise self._fail(f"the checkpoint's parameters differ from the template's:\n{problems}")
         src_layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
-        self.src = Spans(src_layout, saved)
+        self.src = Spans(src_layout, saved, (m.get("pipeline") or {}).get("holders"))
         dst = Spans(layout, shapes)
         groups, leaves = walk(like)
         source = {p: p for p in groups if p in m["groups"]}
@@ -474,7 +474,7 @@ def check_entries(manifest: dict, files: dict[int, RankFiles], groups, records: 
     client tensors read back): what `zfunc verify` checks beyond the checksums."""
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
     layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes)
+    spans = Spans(layout, shapes, (manifest.get("pipeline") or {}).get("holders"))
     for path in groups:
         for key, dtype in manifest["groups"][path].items():
             name = f"{path}/{escape(key)}"

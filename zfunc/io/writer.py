@@ -23,8 +23,11 @@ from zfunc.io.entries import (
     capture_rng,
     encode_client_state,
     escape,
+    all_shapes,
     global_shapes,
+    holders_of,
     layout_of,
+    pipeline_of,
     refuse_pipeline,
     refuse_tensor_parallel,
     walk,
@@ -59,6 +62,8 @@ class _Plan(NamedTuple):
     tensors: list[tuple[str, torch.Tensor]]
     rng: dict
     client_state: Any
+    state: TrainState | None = None
+    stages: Any = None  # the state's `PipelineLayout`, if pipeline split it
 
     @property
     def nbytes(self) -> int:
@@ -88,9 +93,9 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     refuse_tensor_parallel(state, "save")
-    refuse_pipeline(state, "save")
     directory = Path(directory)
     g = dist.Group.resolve(group)
+    refuse_pipeline(state, "save", g.size, g.rank)
     plan = error = None
     try:
         plan = _plan(state, client_state, g)
@@ -165,7 +170,8 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     client_json, client_tensors = encode_client_state(client_state)
     json.dumps(client_json)
     rng, rng_tensors = capture_rng()
-    return _Plan(step, layout, _tensors(state, layout, g.rank) + rng_tensors + client_tensors, rng, client_json)
+    return _Plan(step, layout, _tensors(state, layout, g.rank) + rng_tensors + client_tensors, rng, client_json,
+                 state, pipeline_of(state))
 
 
 def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: int, nbytes: int) -> list[dict]:
@@ -175,6 +181,10 @@ def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: in
         tmp.mkdir(parents=True, exist_ok=True)
         info = _write_rank(tmp, plan.tensors, g.rank, progress, part_bytes)
         info.update(rng=plan.rng, client_state=plan.client_state)
+        if plan.stages is not None:  # (rank 0 writes the manifest of every stage's groups: taken out there)
+            groups, _ = walk(plan.state)
+            info["stage"] = {"groups": {p: {k: dtype_name(t.dtype) for k, t in grp.items()}
+                                        for p, grp in groups.items()}, "ties": [list(t) for t in plan.state.ties]}
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
         error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
     results = exchange("save", "write", [info, error], g, io_seconds(nbytes))
@@ -244,7 +254,9 @@ def _tensors(state: TrainState, layout, rank: int) -> list[tuple[str, torch.Tens
     groups, leaves = walk(state)
     spans = Spans(layout, global_shapes(state, layout))
     tensors: list[tuple[str, torch.Tensor]] = list(leaves.items()) if rank == 0 else []
-    if layout is not None or rank == 0:  # a plain state is the same on every rank: rank 0 writes it
+    stages = pipeline_of(state)
+    # A plain state is the same on every rank: rank 0 writes it. Under pipeline each rank writes its stages'.
+    if layout is not None or rank == 0 or stages is not None:
         for path, group in groups.items():
             for key, t in group.items():
                 if layout is None:
@@ -289,16 +301,34 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
     if layout is not None:
         layout_json = layout.to_json()
         del layout_json["rank"]
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "zfunc_version": zfunc.__version__,
+    stage_infos = [info.pop("stage", None) for info in infos]  # (not part of a rank's entry of files)
+    pipeline = None
+    groups_json = {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()}
+    ties = [list(tie) for tie in state.ties]
+    if plan.stages is not None:
+        # Every stage's groups and ties, in the model's order; which rank holds each parameter.
+        shapes = all_shapes(state, layout)
+        groups_json = {path: {k: d for info in stage_infos for k, d in info["groups"][path].items()}
+                       for path in groups_json}
+        groups_json = {path: {k: g[k] for k in shapes} for path, g in groups_json.items()}
+        ties = sorted({tuple(t) for info in stage_infos for t in info["ties"]})
+        ties = [list(t) for t in ties]
+        pipeline = {"pp": plan.stages.pp, "holders": holders_of(state),
+                    "stage_blocks": [list(b) for b in plan.stages.stage_blocks]}
+    # (Version 2 unless the checkpoint has stages: what a zfunc without pipeline reads.)
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION if pipeline is not None else 2, "zfunc_version": zfunc.__version__,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": plan.step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,
         "layout": layout_json,
-        "params": {k: list(s) for k, s in global_shapes(state, layout).items()},
+        "params": {k: list(s) for k, s in all_shapes(state, layout).items()},
         "weights": weights_path(groups),
-        "groups": {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()},
+        "groups": groups_json,
         "leaves": {path: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for path, t in leaves.items()},
-        "ties": [list(tie) for tie in state.ties],
+        "ties": ties,
         "files": infos,
     }
+    if pipeline is not None:
+        manifest["pipeline"] = pipeline
+    return manifest
