@@ -166,16 +166,12 @@ def test_pp2_1f1b_equals_the_plain_step(model, references):
     # Each rank holds its stage's parameters only; together every parameter once.
     assert not set(outs[0]["keys"]) & set(outs[1]["keys"])
     assert set(outs[0]["keys"]) | set(outs[1]["keys"]) == set(references(model)["params"])
-
-
-def test_tied_embedding_is_held_by_the_first_stage_and_trained_by_both_uses(references):
-    # GPT-2's wte is the embedding (stage 0) and the head (stage 1): stage 0 owns it; its update uses both
-    # gradients, which the equality with the plain step checks; stage 1 holds no copy that could drift.
-    outs = run_distributed(pipelined, 2, "gpt2")
-    assert "transformer.wte.weight" in outs[0]["keys"] and "transformer.wte.weight" not in outs[1]["keys"]
-    assert "transformer.ln_f.weight" in outs[1]["keys"] and "transformer.wpe.weight" in outs[0]["keys"]
-    assert outs[0]["counters"]["pp_tied_sent"] == 1 and outs[1]["counters"]["pp_tied_received"] == 1
-    assert_equivalent(outs, references("gpt2"))
+    if model == "gpt2":
+        # The tied wte is the embedding (stage 0) and the head (stage 1): stage 0 owns it, and its update uses
+        # both uses' gradients (the equality above); stage 1 holds no copy that could drift.
+        assert "transformer.wte.weight" in outs[0]["keys"] and "transformer.wte.weight" not in outs[1]["keys"]
+        assert "transformer.ln_f.weight" in outs[1]["keys"] and "transformer.wpe.weight" in outs[0]["keys"]
+        assert outs[0]["counters"]["pp_tied_sent"] == 1 and outs[1]["counters"]["pp_tied_received"] == 1
 
 
 @pytest.mark.slow
@@ -318,6 +314,7 @@ def test_the_model_outside_value_and_grad_is_refused_clearly():
 
 
 # -- plan -------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_plan_counts_one_pipeline_rank_s_stage_parameters():
     def run() -> list:
         step, state, batch_of = build("gpt2")
