@@ -365,7 +365,7 @@ def test_tp2_x_pp2_equals_the_plain_step(kind):
         assert set(out["params"]) == set(ref)
         for key, want in ref.items():  # (tp's tolerance: Adam on gradients summed in another order)
             torch.testing.assert_close(out["params"][key], want, rtol=1e-5, atol=2e-5,
-                                       msg=lambda m: f"rank {rank} {key}: {m}")
+                                       msg=lambda m, rank=rank, key=key: f"rank {rank} {key}: {m}")
     # ranks 0, 1 (tp pair) hold stage 0, ranks 2, 3 stage 1
     assert outs[0]["keys"] == outs[1]["keys"] and outs[2]["keys"] == outs[3]["keys"]
     assert not set(outs[0]["keys"]) & set(outs[2]["keys"])
@@ -471,12 +471,12 @@ def test_a_pp2_checkpoint_restores_into_pp1_and_back_exactly(tmp_path):
     pp1 = run_distributed(restore_pp1, 1, str(tmp_path / "pp2"), str(tmp_path / "pp1"))[0]
     back = run_distributed(restore_pp2, 2, str(tmp_path / "pp1"))
     for key, want in pp2["saved"].items():  # the weights, bit for bit, both ways
-        torch.testing.assert_close(pp1["restored"][key], want, rtol=0, atol=0, msg=lambda m: f"pp1 {key}: {m}")
+        torch.testing.assert_close(pp1["restored"][key], want, rtol=0, atol=0, msg=lambda m, key=key: f"pp1 {key}: {m}")
         for rank, out in enumerate(back):
-            torch.testing.assert_close(out["restored"][key], want, rtol=0, atol=0, msg=lambda m: f"{rank} {key}: {m}")
+            torch.testing.assert_close(out["restored"][key], want, rtol=0, atol=0, msg=lambda m, rank=rank, key=key: f"{rank} {key}: {m}")
     # The optimizer state came along (SGD's momentum): the restored runs continue as the pp2 run did (up to
     # the order of the tied weight's two gradient sums; a lost momentum would move weights by ~1e-2).
     for key, want in pp2["params"].items():
-        torch.testing.assert_close(pp1["params"][key], want, rtol=1e-6, atol=1e-8, msg=lambda m: f"pp1 {key}: {m}")
+        torch.testing.assert_close(pp1["params"][key], want, rtol=1e-6, atol=1e-8, msg=lambda m, key=key: f"pp1 {key}: {m}")
         for rank, out in enumerate(back):
-            torch.testing.assert_close(out["params"][key], want, rtol=0, atol=0, msg=lambda m: f"{rank} {key}: {m}")
+            torch.testing.assert_close(out["params"][key], want, rtol=0, atol=0, msg=lambda m, rank=rank, key=key: f"{rank} {key}: {m}")

@@ -49,7 +49,8 @@ from zfunc.blocks import find_blocks
 from zfunc.interpret import Facts, Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
-from zfunc.transforms.pipeline import make_pipeline_layout, pipeline
+from zfunc.transforms.pipeline import pipeline
+from zfunc.transforms.pipeline_layout import make_pipeline_layout
 from zfunc.transforms.shard_layout import ROOT, make_layout
 from zfunc.tree import tree_leaves, tree_map
 

@@ -27,7 +27,7 @@ import torch
 
 from zfunc.io.format import CheckpointError
 from zfunc.state import TrainState
-from zfunc.transforms.pipeline import PipelineLayout
+from zfunc.transforms.pipeline_layout import PipelineLayout
 from zfunc.transforms.shard_layout import ShardLayout, is_param_shaped
 
 SEP = "/"

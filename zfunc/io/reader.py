@@ -17,14 +17,14 @@ from zfunc.interpret import check_alive, forget_copies
 from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
+    all_shapes,
     apply_rng,
     decode_client_state,
     escape,
-    all_shapes,
     layout_of,
+    read_rng,
     refuse_pipeline,
     refuse_tensor_parallel,
-    read_rng,
     walk,
     weights_path,
 )

@@ -20,10 +20,10 @@ from zfunc.interpret import check_alive
 from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
     Spans,
+    all_shapes,
     capture_rng,
     encode_client_state,
     escape,
-    all_shapes,
     global_shapes,
     holders_of,
     layout_of,

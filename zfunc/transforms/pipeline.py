@@ -54,23 +54,33 @@ any layout); with shard or tensor_parallel besides, they are refused for now.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
+import re
 import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
-from torch import nn
 from torch.distributed import pipelining
 
 from zfunc import dist
-from zfunc.autodiff import split_loss
 from zfunc.blocks import find_blocks
 from zfunc.interpret import Facts, LossCheck, Transform, current, gradients_ready, psum
 from zfunc.mesh import describe_mesh, mesh_dim
 from zfunc.transforms.accumulate import split_micro_batches
+from zfunc.transforms.pipeline_layout import PipelineLayout, make_pipeline_layout
+from zfunc.transforms.pipeline_stage import (
+    Built,
+    Counters,
+    Run,
+    Schedules,
+    StageModule,
+    TorchStage,
+    block_intercept,
+    identity_loss,
+    next_tensor,
+)
 from zfunc.transforms.shard_layout import map_param_shaped
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_tensors, tree_unflatten
 
@@ -83,284 +93,13 @@ SCHEDULES: dict[str, tuple[str, int]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineLayout:
-    """Which stage owns what (the same on every rank but ``rank``); kept in ``state.extras["pipeline"]``.
-
-    Attributes:
-      pp: pipeline ranks. rank: this rank among them. schedule: the schedule's name.
-      stage_blocks: the blocks of each stage, in order (stage k runs on rank ``k % pp``).
-      owner: ``(key, stage)`` for every trainable parameter: the one stage that holds and updates it.
-      borrowers: ``(key, stages)``: the other stages that use it (a tied weight), lent it each step.
-      first_root: root parameters named before the first block (computed as zeros on later stages).
-      shapes: ``(key, shape)`` of every parameter, for `step.gather` and checkpoints.
-    """
-
-    pp: int
-    rank: int
-    schedule: str
-    stage_blocks: tuple[tuple[str, ...], ...]
-    owner: tuple[tuple[str, int], ...]
-    borrowers: tuple[tuple[str, tuple[int, ...]], ...]
-    first_root: frozenset
-    shapes: tuple[tuple[str, tuple[int, ...]], ...]
-
-    @property
-    def stages(self) -> int:
-        return len(self.stage_blocks)
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pp
-
-    @property
-    def local_stages(self) -> tuple[int, ...]:
-        return tuple(s for s in range(self.stages) if self.rank_of(s) == self.rank)
-
-    def owned_by(self, stage: int) -> list[str]:
-        return [k for k, s in self.owner if s == stage]
-
-    def used_by(self, stage: int) -> list[str]:
-        """The keys stage ``stage`` computes with: its own and those it borrows."""
-        return self.owned_by(stage) + [k for k, users in self.borrowers if stage in users]
-
-    @property
-    def keys(self) -> list[str]:
-        """The keys this rank holds (its stages' own), in the model's order."""
-        mine = set(self.local_stages)
-        return [k for k, s in self.owner if s in mine]
-
-    @property
-    def blocks(self) -> tuple[str, ...]:
-        return tuple(b for s in self.local_stages for b in self.stage_blocks[s])
-
-    def stage_of_block(self) -> dict[str, int]:
-        return {b: s for s, blocks in enumerate(self.stage_blocks) for b in blocks}
-
-    def describe(self) -> dict:
-        """A JSON description (checkpoint manifests, ranks' agreement)."""
-        return {"pp": self.pp, "schedule": self.schedule, "stage_blocks": [list(b) for b in self.stage_blocks],
-                "owner": dict(self.owner), "borrowers": {k: list(v) for k, v in self.borrowers}}
-
-
-def make_pipeline_layout(keys: list[str], aliases: list[tuple[str, str]], blocks: list[str],
-                         shapes: dict[str, tuple], stages: int, pp: int, rank: int, schedule: str) -> PipelineLayout:
-    """Split ``blocks`` (in order) into ``stages`` contiguous runs and assign every parameter to a stage.
-
-    Args:
-      keys: the trainable parameters' keys in the model's order (`zf.functional`'s params).
-      aliases: ``(alias, key)`` of tied weights (`TrainState.ties`).
-      blocks: the model's blocks in order (`find_blocks`).
-      shapes: key -> shape.
-    Runs are as even as the counts allow (the first stages get one more block when they do not divide). A
-    name inside a block belongs to the block's stage; a root name to the first stage if it comes before
-    the blocks, else the last (an alias sits where its module's other parameters are, or after the blocks
-    when its module holds nothing else: a tied head). A key's owner is the first stage using it by any name.
-    """
-    if len(blocks) < stages:
-        raise ValueError(
-            f"pipeline: {stages} stages but the model has {len(blocks)} blocks ({', '.join(blocks[:6])}): every "
-            "stage needs at least one block. Use fewer stages (a smaller pp dimension, or the 1F1B schedule "
-            "instead of an interleaved one, which puts two stages on each rank).")
-    base, extra = divmod(len(blocks), stages)
-    runs, start = [], 0
-    for s in range(stages):
-        n = base + (1 if s < extra else 0)
-        runs.append(tuple(blocks[start:start + n]))
-        start += n
-    stage_of = {b: s for s, run in enumerate(runs) for b in run}
-    block_of = lambda name: next((b for b in blocks if name.startswith(b + ".")), None)  # noqa: E731
-    in_blocks = [i for i, k in enumerate(keys) if block_of(k) is not None]
-    first_at, last_at = (min(in_blocks), max(in_blocks)) if in_blocks else (len(keys), -1)
-
-    def stage_of_name(name: str, position: int | None) -> int:
-        block = block_of(name)
-        if block is not None:
-            return stage_of[block]
-        if position is None:  # an alias: where its module's own keys are, else after the blocks (a tied head)
-            module = name.rpartition(".")[0]
-            siblings = [i for i, k in enumerate(keys) if k.rpartition(".")[0] == module]
-            position = siblings[0] if siblings else last_at + 1
-        return 0 if position < first_at else stages - 1
-
-    users: dict[str, list[int]] = {k: [stage_of_name(k, i)] for i, k in enumerate(keys)}
-    for alias, key in aliases:
-        s = stage_of_name(alias, None)
-        if s not in users[key]:
-            users[key].append(s)
-    first_root = frozenset(k for i, k in enumerate(keys) if block_of(k) is None and i < first_at)
-    owner = tuple((k, min(users[k])) for k in keys)
-    borrowers = tuple((k, tuple(sorted(set(users[k]) - {min(users[k])}))) for k in keys if len(set(users[k])) > 1)
-    return PipelineLayout(pp, rank, schedule, tuple(runs), owner, borrowers, first_root,
-                          tuple((k, tuple(shapes[k])) for k in keys))
-
-
-class _StageEnd(BaseException):
-    """Ends a stage's forward after its last block (a BaseException: model code catching Exception must not
-    swallow it), carrying the tensors to send to the next stage."""
-
-    def __init__(self, tensors: tuple) -> None:
-        super().__init__()
-        self.tensors = tensors
-
-
-class _Counters:
-    """Point-to-point transfers of one step: counts of micro-batch activations and gradients sent and
-    received over stage boundaries, and elements moved (tied weights included)."""
-
-    def __init__(self) -> None:
-        self.activations_sent = self.activations_received = 0
-        self.gradients_sent = self.gradients_received = 0
-        self.tied_sent = self.tied_received = 0
-        self.elements = 0
-
-    def metrics(self) -> dict[str, int]:
-        return {"pp_activations_sent": self.activations_sent, "pp_activations_received": self.activations_received,
-                "pp_gradients_sent": self.gradients_sent, "pp_gradients_received": self.gradients_received,
-                "pp_tied_sent": self.tied_sent, "pp_tied_received": self.tied_received,
-                "pp_elements": self.elements}
-
-
-class _Active:
-    """The stage forward running now: its stage, the activation it received, and whether its first block
-    has started (root parameters it does not hold are zeros only before that)."""
-
-    def __init__(self, stage: int, received: tuple) -> None:
-        self.stage, self.received = stage, received
-        self.started = False
-        self.last_block = -1
-
-
-class _Run:
-    """One ``value_and_grad`` under pipeline: the loss function, the micro-batches, what the stages return."""
-
-    def __init__(self, fn: Callable, micro_batches: list, has_aux: bool, counters: _Counters) -> None:
-        self.fn, self.micro_batches, self.has_aux, self.counters = fn, micro_batches, has_aux, counters
-        self.active: _Active | None = None
-        self.inferring = False  # torch's shape inference (first use of a schedule): not counted
-        self.aux: dict[int, Any] = {}
-
-
-class _StageModule(nn.Module):
-    """What torch's `PipelineStage` runs for one stage: the user's loss function on one micro-batch, with
-    this stage's parameters as the module's own (so torch's schedules differentiate and scale them)."""
-
-    def __init__(self, transform: "pipeline", stage: int, keys: list[str], layout: PipelineLayout) -> None:
-        super().__init__()
-        self.transform, self.stage, self.layout = transform, stage, layout
-        self.keys = list(keys)
-        self.run: _Run | None = None
-
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """This step's parameters, as fresh leaves sharing their memory."""
-        for i, k in enumerate(self.keys):
-            self._parameters[f"p{i}"] = nn.Parameter(tensors[k].detach(), requires_grad=True)
-
-    def param(self, key: str) -> nn.Parameter:
-        return self._parameters[f"p{self.keys.index(key)}"]
-
-    def grads(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for i, k in enumerate(self.keys):
-            p = self._parameters[f"p{i}"]
-            out[k] = torch.zeros_like(p) if p.grad is None else p.grad
-        return out
-
-    def forward(self, *received: torch.Tensor, micro_batch: torch.Tensor) -> Any:
-        run = self.run
-        index = int(micro_batch.reshape(-1)[0])  # (a CPU tensor: no device sync)
-        args, kwargs = run.micro_batches[index]
-        mine = {k: self._parameters[f"p{i}"] for i, k in enumerate(self.keys)}
-        # Every key, as apply_fn wants: other stages' parameters as empty stand-ins (`pipeline.apply`).
-        sample = next_tensor(mine)
-        params = {k: mine[k] if k in mine else sample.new_empty(0) for k, _ in self.layout.owner}
-        counters = run.counters
-        if received and not run.inferring:
-            counters.activations_received += 1
-            counters.elements += sum(t.numel() for t in received)
-            hook_once(received, lambda: _count_gradient_sent(counters, received))
-        outer, run.active = run.active, _Active(self.stage, received)
-        try:
-            out = run.fn(params, *args, **kwargs)
-        except _StageEnd as end:
-            sent = end.tensors
-            if not run.inferring:
-                counters.activations_sent += 1
-                counters.elements += sum(t.numel() for t in sent)
-                hook_once(sent, lambda: _count_gradient_received(counters, sent))
-            return sent if len(sent) > 1 else sent[0]
-        finally:
-            run.active = outer
-        if self.stage != self.layout.stages - 1:
-            raise RuntimeError(f"pipeline: stage {self.stage}'s forward ended without running its last block "
-                               f"({self.layout.stage_blocks[self.stage][-1]!r}): the loss function must run the "
-                               "whole model on every micro-batch")
-        loss, aux = split_loss(out, run.has_aux)
-        if run.has_aux and not run.inferring:
-            run.aux[index] = aux
-        return loss
-
-
-def hook_once(tensors: tuple, fn: Callable[[], None]) -> None:
-    """Call ``fn`` once, when backward first reaches one of ``tensors`` (that need a gradient)."""
-    fired = []
-
-    def hook(grad):
-        if not fired:
-            fired.append(True)
-            fn()
-        return grad
-
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(hook)
-            return
-
-
-def _count_gradient_sent(counters: _Counters, received: tuple) -> None:
-    counters.gradients_sent += 1
-    counters.elements += sum(t.numel() for t in received)
-
-
-def _count_gradient_received(counters: _Counters, sent: tuple) -> None:
-    counters.gradients_received += 1
-    counters.elements += sum(t.numel() for t in sent)
-
-
-class _Stage(pipelining.PipelineStage):
-    """torch's stage, telling its module when a forward is torch's shape inference (not a micro-batch)."""
-
-    def _compute_outputs(self, *args, module, **kwargs):
-        run = module.run
-        run.inferring = True
-        try:
-            return super()._compute_outputs(*args, module=module, **kwargs)
-        finally:
-            run.inferring = False
-
-
-class _Built:
-    """torch's stages and schedule for one layout and one shape of micro-batches (built on first use: torch
-    infers the shapes crossing stages by running one micro-batch, which is worth doing once)."""
-
-    def __init__(self, modules: list[_StageModule], schedule: Any) -> None:
-        self.modules, self.schedule = modules, schedule
-
-
-class _Schedules:
-    """The built schedules of one pipeline transform, by layout and micro-batch shapes (a cache, like
-    `ModelStructure`'s: what it holds follows from its key; a step of a pipeline is not re-entrant)."""
-
-    def __init__(self) -> None:
-        self.built: dict[Any, _Built] = {}
-
-
 class _Call:
     """Per-call scratch of `pipeline`."""
 
     def __init__(self, layout: PipelineLayout, group: dist.Group) -> None:
         self.layout, self.group = layout, group
-        self.counters = _Counters()
-        self.run: _Run | None = None
+        self.counters = Counters()
+        self.run: Run | None = None
         self.ran = False
 
 
@@ -414,7 +153,7 @@ class pipeline(Transform):  # noqa: N801
             raise ValueError(f"pipeline: schedule {schedule!r} on {pp} pipeline rank(s) runs {expected} stages "
                              f"({per_rank} per rank), got stages={stages!r}")
         self.stages = int(stages)
-        self._schedules = _Schedules()
+        self._schedules = Schedules()
         self.stack.facts  # noqa: B018 - refuse a stack pipeline cannot run in, at once
 
     def settings(self) -> dict[str, Any]:
@@ -548,7 +287,7 @@ class pipeline(Transform):  # noqa: N801
                     f"pipeline(micro_batches={m}) splits every batch tensor along dim 0 into {m} equal micro-batches, "
                     f"but got one of shape {tuple(leaf.shape)}; make the batch size a multiple of {m}")
         micro = split_micro_batches((args, kwargs), m) if m > 1 else [(args, kwargs)]
-        run = _Run(fn, micro, has_aux, call.counters)
+        run = Run(fn, micro, has_aux, call.counters)
         lent = self._lend(layout, group, params, call.counters)
         built = self._built(layout, group, micro)
         for module in built.modules:
@@ -603,7 +342,7 @@ class pipeline(Transform):  # noqa: N801
         for block in model_call.structure.blocks():
             if block not in stage_of:
                 continue
-            model_call.intercept(block, _block_intercept(block, order[block], stage_of[block], active, mine,
+            model_call.intercept(block, block_intercept(block, order[block], stage_of[block], active, mine,
                                                          last_stage))
         params = dict(model_call.params)
         missing = model_call.structure.keys - set(layout.used_by(active.stage))
@@ -632,22 +371,22 @@ class pipeline(Transform):  # noqa: N801
         return next(model_call)
 
     # -- pieces of value_and_grad -------------------------------------------------
-    def _built(self, layout: PipelineLayout, group: dist.Group, micro: list) -> _Built:
+    def _built(self, layout: PipelineLayout, group: dist.Group, micro: list) -> Built:
         leaves = [x for x in tree_leaves(micro[0]) if isinstance(x, torch.Tensor)]
         key = (layout, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves), str(tree_flatten(micro[0])[1]))
         built = self._schedules.built.get(key)
         if built is not None:
             return built
         cls_name, per_rank = SCHEDULES[self.schedule]
-        modules = [_StageModule(self, s, layout.used_by(s), layout) for s in layout.local_stages]
-        stages = [_Stage(m, m.stage, layout.stages, group.device, group=group.handle) for m in modules]
+        modules = [StageModule(s, layout.used_by(s), layout) for s in layout.local_stages]
+        stages = [TorchStage(m, m.stage, layout.stages, group.device, group=group.handle) for m in modules]
         cls = getattr(pipelining, cls_name)
-        schedule = cls(stages[0] if per_rank == 1 else stages, self.micro_batches, loss_fn=_identity_loss,
+        schedule = cls(stages[0] if per_rank == 1 else stages, self.micro_batches, loss_fn=identity_loss,
                        scale_grads=True)
-        built = self._schedules.built[key] = _Built(modules, schedule)
+        built = self._schedules.built[key] = Built(modules, schedule)
         return built
 
-    def _lend(self, layout: PipelineLayout, group: dist.Group, params: dict, counters: _Counters) -> dict:
+    def _lend(self, layout: PipelineLayout, group: dist.Group, params: dict, counters: Counters) -> dict:
         """Tied weights: each owner sends its current value to the stages that borrow it."""
         lent: dict[int, dict[str, torch.Tensor]] = {}
         ops = []
@@ -674,7 +413,7 @@ class pipeline(Transform):  # noqa: N801
         return lent
 
     def _return_gradients(self, layout: PipelineLayout, group: dist.Group, grads: dict, borrowed: dict,
-                          counters: _Counters) -> None:
+                          counters: Counters) -> None:
         """Tied weights: each borrower's gradient goes back to the owner, which adds them in stage order."""
         ops, arriving = [], []
         for key, users in layout.borrowers:
@@ -699,7 +438,7 @@ class pipeline(Transform):  # noqa: N801
         for key, g in arriving:
             grads[key] = grads[key] + g.to(grads[key].device)
 
-    def _loss(self, layout: PipelineLayout, group: dist.Group, losses: list, built: _Built) -> torch.Tensor:
+    def _loss(self, layout: PipelineLayout, group: dist.Group, losses: list, built: Built) -> torch.Tensor:
         """The mean of the micro-batches' losses (float32), on every pipeline rank (broadcast from the last stage's)."""
         last = layout.rank_of(layout.stages - 1)
         # (float32 on every rank: the other ranks cannot know the loss's dtype without asking)
@@ -714,7 +453,7 @@ class pipeline(Transform):  # noqa: N801
                                 "broadcasting the pipeline's loss from its last stage")
         return out
 
-    def _aux(self, layout: PipelineLayout, group: dist.Group, run: _Run) -> Any:
+    def _aux(self, layout: PipelineLayout, group: dist.Group, run: Run) -> Any:
         """``aux`` of the loss function, like `accumulate`'s (floating tensors averaged over micro-batches,
         other leaves the last micro-batch's), sent from the last stage to every pipeline rank (pickled: aux
         is the user's own values, and this costs a host round trip per step)."""
@@ -731,49 +470,6 @@ class pipeline(Transform):  # noqa: N801
         if group.size > 1:
             tdist.broadcast_object_list(payload, src=_global(group, last), group=group.handle)
         return payload[0]
-
-
-def _block_intercept(block: str, position: int, stage: int, active: _Active, mine: tuple, last_stage: bool):
-    """What replaces block ``block``'s call in the forward of stage ``active.stage``."""
-
-    def intercept(run, args, kwargs):
-        if position <= active.last_block:
-            raise RuntimeError(
-                f"pipeline: block {block!r} ran out of order (after a later block, or twice): a pipelined model "
-                "must call each of its blocks once per forward, in order")
-        active.last_block = position
-        if stage != active.stage:  # another stage's block: the activation received stands for its output
-            if stage > active.stage or not active.received:
-                raise RuntimeError(f"pipeline: block {block!r} of stage {stage} ran in stage {active.stage}'s "
-                                   "forward before that stage's own blocks ended")
-            return active.received[0] if len(active.received) == 1 else active.received
-        if block == mine[0]:
-            active.started = True
-            if active.received and not (args and any(args[0] is t for t in active.received)):
-                raise RuntimeError(
-                    f"pipeline: the first block of stage {active.stage} ({block!r}) was not given the activation "
-                    "the previous stage's last block returned: the model computes on it between blocks (e.g. a "
-                    "residual added outside the blocks), which a stage that skipped those blocks cannot "
-                    "reproduce. Pipelining needs models whose blocks take the previous block's output as their "
-                    "first argument (hidden = block(hidden, ...)), as Hugging Face transformers do.")
-        out = run(*args, **kwargs)
-        if block == mine[-1] and not last_stage:
-            tensors = tuple(x for x in tree_leaves(out) if isinstance(x, torch.Tensor))
-            if not tensors:
-                raise RuntimeError(f"pipeline: block {block!r} returned no tensor to send to the next stage")
-            raise _StageEnd(tensors)
-        return out
-
-    return intercept
-
-
-def _identity_loss(output, target):
-    """The last stage's module already returns the micro-batch's loss (the user's loss function)."""
-    return output
-
-
-def next_tensor(params: dict) -> torch.Tensor:
-    return next(t for t in params.values() if isinstance(t, torch.Tensor))
 
 
 def _global(group: dist.Group, rank: int) -> int:
@@ -813,5 +509,5 @@ def _from_rank_zero(state, group: dist.Group):
 
 
 def _without_addresses(text: str) -> str:
-    import re
+    """``text`` without reprs' memory addresses (each rank's process has its own)."""
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)
