@@ -80,6 +80,10 @@ def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool
         _refuse_nonfinite_loss(split_loss(out, has_aux)[0], allow_nonfinite)
         return out
 
+    # (Read by `pipeline`, whose loss exists on the last stage only: it checks the loss itself, once every
+    # stage has it, honouring this setting.)
+    checked_fn.allow_nonfinite = allow_nonfinite
+
     @functools.wraps(fn)
     def value_and_grad_fn(params, *args, **kwargs):
         return dispatch("value_and_grad", plain_value_and_grad, checked_fn, params, args, kwargs, has_aux)
@@ -95,8 +99,8 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
     step's skip flag (`zfunc.interpret.StepContext.skip_update_if`), which the update reads on the device.
     """
     ctx = current()
-    if under_torch_func_or_compile() or (ctx is not None and ctx.facts.loss_scaling != "none"):
-        return
+    if under_torch_func_or_compile() or (ctx is not None and (ctx.facts.loss_scaling != "none" or ctx.facts.pp > 1)):
+        return  # (fp16's scaler skips such steps; `pipeline` checks the loss once its last stage broadcast it)
     if loss.is_meta or is_fake(loss):  # (the planner measures a step on fake tensors: there are no values)
         return
     # The count is summed over ranks even where it is not read (allow_nonfinite, which only this rank's code
@@ -111,7 +115,14 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
         if bad.item():
             raise _nonfinite_loss_error(loss.item(), None, None)
         return
-    ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.to(torch.float32)]),
+    skip_update_if_nonfinite(ctx, loss, bad)
+
+
+def skip_update_if_nonfinite(ctx, loss: torch.Tensor, bad: torch.Tensor) -> None:
+    """Skip ``ctx``'s update where ``bad`` (0-d on the device: how many ranks had a non-finite ``loss``) is
+    nonzero, and raise the NaN-loss error at the next use of the state the step returns; no host read.
+    (Also `pipeline`'s, once its last stage broadcast the loss.)"""
+    ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.detach().to(torch.float32)]),
                                     functools.partial(_explain_nonfinite_loss, ctx)))
 
 
@@ -155,7 +166,13 @@ def grad(fn: Callable, has_aux: bool = False) -> Callable:
 
 
 def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, has_aux: bool):
-    """The untransformed implementation: one forward, one first-order backward."""
+    """The untransformed implementation: one forward, one first-order backward (or, where a transform runs
+    forward and backward itself, its ``StepContext.differentiate``, given the loss function as rewritten by
+    the transforms inside it)."""
+    ctx = current()
+    if ctx is not None and ctx.differentiate is not None:
+        differentiate, ctx.differentiate = ctx.differentiate, None
+        return differentiate(fn, params, args, kwargs, has_aux)
     _check_differentiable(params)
 
     side: dict = {}

@@ -75,6 +75,12 @@ class FunctionalModel:
         self.structure.check_trainable()
         ctx = current()
         where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+        if ctx is not None and ctx.facts.pp > 1 and not params.keys() >= self.structure.keys:
+            raise RuntimeError(
+                f"apply_fn{where}: the model ran on a stage's parameters outside zf.value_and_grad. Under pipeline "
+                "each rank holds only its stages' parameters (state.params), so the model runs only inside the "
+                "pipelined zf.value_and_grad; evaluate on full parameters instead: full = step.gather(state), then "
+                "apply_fn(full, ...) outside the step.")
         refuse_other_keys(self.model, self.structure.keys, self.aliases, params, where)
         if ctx is None:  # (inside a step, the plain apply checks what the transforms hand it: `run_model_call`)
             check_shapes_and_dtypes(self.model, self.param_spec, params)

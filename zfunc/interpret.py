@@ -118,6 +118,8 @@ class Facts:
         dtype, else the compute dtype; `zfunc.transforms.grad_accumulator.accumulation_dtype`).
       recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
         with ``reshard="recompute"``): activations of one block, not of all.
+      pp: the pipeline-parallel degree (`pipeline`): each rank holds the parameters of its stages only, and
+        the loss exists on the last stage (which is why `pipeline` checks it for NaN itself).
       tp: the tensor-parallel degree (`tensor_parallel`): sharded parameters hold 1/tp of their elements.
     """
 
@@ -135,6 +137,7 @@ class Facts:
     accumulates: bool = False
     accumulate_dtype: torch.dtype | None = None
     recompute: bool = False
+    pp: int = 1
     tp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
@@ -183,6 +186,9 @@ class StepContext:
         # Where gradients are summed across micro-batches, if anywhere (`accumulate`'s accumulator): `shard`
         # adds each unit's reduced gradient into it as soon as the reduction lands, then frees the unit's.
         self.grad_sink: Any = None
+        # Set by a transform that runs forward and backward itself (`pipeline`: torch's schedule): the plain
+        # value_and_grad hands it the loss function as the transforms inside rewrote it, and returns its result.
+        self.differentiate: Callable | None = None
 
     def skip_update_if(self, flag: torch.Tensor, finding: Finding | None = None) -> None:
         """Skip this step's update where ``flag`` (0-d, on the device) is nonzero, without a host read; with
@@ -334,7 +340,8 @@ class Transform:
 
     ``level`` orders transforms: a transform may wrap only steps whose
     transforms have a level at most its own. Compute transforms (accumulate,
-    checkpoint, mixed_precision) are level 0, offload 1, shard 2, so the only
+    checkpoint, compile_blocks, mixed_precision) are level 0, tensor_parallel 0.5,
+    pipeline 0.75, offload 1, shard 2, so the only
     stacks refused are those that would, e.g., move whole gradients to the
     host before partitioning them.
     """

@@ -71,6 +71,10 @@ class ModelCall:
     # What runs a wrapped block's own forward, ``block_forward(block, *args, **kwargs)`` with its params
     # swapped in (None: the block's class's forward); `compile_blocks` hands a compiled one.
     block_forward: Callable | None = None
+    # Blocks whose call a transform takes over, around all their wrappers: ``fn(run, args, kwargs)`` stands for
+    # the block (``run(*args, **kwargs)`` runs it with its wrappers, or is never called: `pipeline` skips the
+    # blocks of other stages and ends its stage's forward after its last block). See `intercept`.
+    intercepts: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
     @property
     def aliases(self) -> dict[str, str]:
@@ -86,6 +90,18 @@ class ModelCall:
         if kind not in ("materialize", "around"):
             raise ValueError(f"kind must be 'materialize' or 'around', got {kind!r}")
         self.block_wrappers.setdefault(name, []).append((kind, wrapper))
+
+    def intercept(self, name: str, fn: Callable) -> None:
+        """Route every call of block ``name`` through ``fn(run, args, kwargs)``, outside all its wrappers.
+
+        ``fn`` may call ``run(*args, **kwargs)`` (the block with every wrapper, a recompute included) or return
+        something else without running the block. An intercept is never recomputed: it runs once per forward.
+        One intercept per block.
+        """
+        if name in self.intercepts:
+            raise ValueError(f"block {name!r} is intercepted twice in one call")
+        self.intercepts[name] = fn
+        self.block_wrappers.setdefault(name, [])
 
     def require_recompute(self, name: str) -> None:
         """Ask that block ``name`` keep nothing it materialized for backward.
@@ -515,6 +531,12 @@ class _BlockOverride:
     def forward(self, *args, **kwargs):
         if self._inside:  # the body is running the module itself
             return type(self.block).forward(self.block, *args, **kwargs)
+        intercept = self.call.intercepts.get(self.name)
+        if intercept is not None:
+            return intercept(self._wrapped_forward, args, kwargs)
+        return self._wrapped_forward(*args, **kwargs)
+
+    def _wrapped_forward(self, *args, **kwargs):
         block_params = {local: self.call.params[key] for local, key in self.param_names.items()}
         if tracing() or not self.call.recomputed(self.name):
             return self.body(block_params, *args, **kwargs)

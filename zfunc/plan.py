@@ -49,10 +49,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zfunc.interpret import Facts, Transform
+from zfunc.blocks import find_blocks
+from zfunc.interpret import Facts, Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.grad_accumulator import accumulation_dtype
+from zfunc.transforms.pipeline import pipeline
+from zfunc.transforms.pipeline_layout import make_pipeline_layout
 from zfunc.transforms.shard_layout import ROOT, make_layout
 from zfunc.tree import tree_leaves, tree_map
 
@@ -143,7 +146,7 @@ def _name(dtype: torch.dtype | None) -> str:
 def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], *,
          world_size: int | None = None, blocks: list[str] | None = None, units: list[str] | None = None,
          gpu_bytes: int | None = None, host_bytes: int | None = None, nvme_bytes: int | None = None,
-         measure: bool = True, baseline: int | None = None, fit: bool = True) -> MemoryPlan:
+         measure: bool = True, baseline: int | None = None, fit: bool = True, pp_rank: int = 0) -> MemoryPlan:
     """The memory plan of ``step`` (see the module docstring).
 
     Args:
@@ -160,6 +163,9 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       measure: measure activations (else they count as 0).
       fit: with budgets, choose the placement (else describe the placement the stack declares).
       baseline: the process's resident bytes before training (default: measured now).
+      pp_rank: under `pipeline`, the pipeline rank whose stages are planned (their parameters only);
+        activations are measured on the whole model for one micro-batch (``batch``): an upper bound for a
+        stage's.
     Returns:
       The `MemoryPlan`.
     """
@@ -171,13 +177,16 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
         world_size = tdist.get_world_size() if tdist.is_available() and tdist.is_initialized() else 1
         for transform in splitting:  # on a mesh, shard partitions over its dp group (world / (tp * pp))
             world_size = transform.partition_ranks() or world_size
-    blocks_of = getattr(params, "blocks", None)
+    blocks_of, ties_of = getattr(params, "blocks", None), dict(getattr(params, "ties", {}))
     for transform in splitting:  # tensor_parallel: one rank holds 1/tp of the split parameters
         params = transform.rank_params(params)
     if blocks is None:
         blocks = blocks_of
     stage = facts.stage
     blocks = blocks if blocks is not None else getattr(params, "blocks", None)
+    borrowed, model_params, model_blocks = 0, params, blocks  # (activations: measured on the whole model)
+    if facts.pp > 1:  # one pipeline rank's stages: their parameters only, shard over the dp ranks
+        params, blocks, borrowed = _pipeline_stage(step, params, ties_of, blocks, facts.pp, pp_rank)
     layout = make_layout(params, max(stage, 1), world_size, 0, units, blocks)
     psi = sum(u.numel for u in layout.units)
     compute = facts.compute_dtype or next(iter(params.values())).dtype
@@ -188,7 +197,8 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     opt_b = 8 + master_b  # m and v (+ the master) per parameter, fp32
     biggest_block = max((u.padded for u in layout.units if u.name != ROOT), default=0)
     root = sum(u.padded for u in layout.units if u.name == ROOT)
-    activations = measure_activations(loss_fn, batch, params, compute, facts.recompute, blocks) if measure else 0
+    activations = measure_activations(loss_fn, batch, model_params, compute, facts.recompute, model_blocks) \
+        if measure else 0
     notes = []
     baseline = _resident_bytes() if baseline is None else baseline
     # `accumulate`'s accumulator: at stages 2 and 3 fed unit by unit, on each unit's optimizer tier (its bytes
@@ -205,10 +215,11 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
             return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * kept_grads,
                     (root + 2 * biggest_block) * cb + biggest_block * (cb + reduce_b))
         padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
+        lent = borrowed * 2 * cb  # a tied weight another stage owns, lent for the step, and its gradient
         if stage == 2:
-            return padded, shard_elems * kept_grads, biggest_block * (cb + reduce_b)
+            return padded, shard_elems * kept_grads, biggest_block * (cb + reduce_b) + lent
         full_grads = psi * (cb + acc_b)  # (with accumulate: its full buffer and one micro-batch's gradient)
-        return (padded, full_grads, 0) if stage == 1 else (psi * cb, full_grads, 0)
+        return (padded, full_grads, lent) if stage == 1 else (psi * cb, full_grads, lent)
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
@@ -241,6 +252,18 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     return MemoryPlan(tiers, psi, world_size, facts,
                       {"device_fraction": round(device_fraction, 4), "nvme_fraction": round(nvme_fraction, 4),
                        "params": params_tier}, tuple(notes))
+
+
+def _pipeline_stage(step, params: dict, ties: dict, blocks, pp: int, pp_rank: int):
+    """``(params, blocks, borrowed elements)`` of pipeline rank ``pp_rank``'s stages (`pipeline`'s layout)."""
+    transform = next(t for t in transforms_of(step) if isinstance(t, pipeline))
+    if blocks is None:
+        blocks = find_blocks({k: v.numel() for k, v in params.items()})
+    layout = make_pipeline_layout(list(params), sorted(ties.items()), list(blocks), {k: tuple(v.shape) for k, v in params.items()},
+                                  transform.stages, pp, pp_rank, transform.schedule)
+    mine = set(layout.local_stages)
+    borrowed = sum(params[k].numel() for k, users in layout.borrowers if mine & set(users))
+    return {k: params[k] for k in layout.keys}, list(layout.blocks), borrowed
 
 
 _CHUNK_BUFFERS = 4  # the streamed host update's double-buffered chunks: gradients in, parameters out

@@ -100,6 +100,14 @@ full parameter's flat elements it covers (`zfunc.io.entries.Spans.runs`), so
 it reshards across any (dp, tp) layout: tp2 x dp2 -> dp4 -> tp2 x dp2, or
 into one process.
 
+Format 3 is also format 2 plus ``pipeline``, written only for a state split
+into stages by `pipeline` (alone: with shard or tensor_parallel besides it is
+refused): ``{pp, holders: {key: rank}, stage_blocks: [[block, ...] per
+stage]}``. Each rank saves its stages' parameters whole; ``params`` and
+``groups`` list every stage's, and a restore reads each parameter from its
+holder, into any layout (pp2 -> pp1 -> pp2). A format-3 manifest has exactly
+one of the two sections; formats 1 and 2 are still read.
+
 A rank's data is split into parts of about ``part_bytes`` (512 MiB; a larger
 tensor gets a part of its own) that are written, hashed and read by parallel
 threads. The SHA-256 of each file is computed while it is written and is what

@@ -35,6 +35,7 @@ import torch
 
 from zfunc.io.format import CheckpointError
 from zfunc.state import TrainState
+from zfunc.transforms.pipeline_layout import PipelineLayout
 from zfunc.transforms.shard_layout import ShardLayout, is_param_shaped
 from zfunc.transforms.tensor_parallel import TPLayout
 
@@ -144,16 +145,35 @@ class TPInfo:
         return tuple(n // self.size if d == dim else n for d, n in enumerate(shape))
 
 
+def pipeline_of(state: TrainState) -> PipelineLayout | None:
+    layout = state.extras.get("pipeline") if isinstance(state.extras, dict) else None
+    return layout if isinstance(layout, PipelineLayout) else None
+
+
+def all_shapes(state: TrainState, layout: ShardLayout | None) -> dict[str, tuple[int, ...]]:
+    """Full shape of every parameter of the model, in its order: under `pipeline`, of every stage's."""
+    stages = pipeline_of(state)
+    return dict(stages.shapes) if stages is not None else global_shapes(state, layout)
+
+
+def holders_of(state: TrainState) -> dict[str, int] | None:
+    """Under `pipeline` (alone): the rank holding each parameter (its stage's); None otherwise."""
+    stages = pipeline_of(state)
+    return None if stages is None else {k: stages.rank_of(s) for k, s in stages.owner}
+
+
 class Spans:
-    """Which elements of each parameter a rank holds, for a layout (None: plain) and tp split (None: none).
+    """Which elements of each parameter a rank holds, for a layout (None: plain), a tp split (None: none) and
+    pipeline ``holders`` (None: none; else each parameter whole on the rank of its stage).
 
     ``span`` is the flat range ``[a, b)`` of the rank's tp shard (the whole parameter without tp) that the
-    rank saves; ``runs`` maps such a range to the full parameter's flat elements.
+    rank saves; ``runs`` maps such a range to the full parameter's flat elements. (A checkpoint has a tp
+    split or pipeline holders, never both: `refuse_pipeline` refuses a pipeline state with tp besides.)
     """
 
     def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]],
-                 tp: TPInfo | None = None) -> None:
-        self.layout, self.tp, self.shapes = layout, tp, shapes
+                 tp: TPInfo | None = None, holders: dict[str, int] | None = None) -> None:
+        self.layout, self.tp, self.holders, self.shapes = layout, tp, holders, shapes
         local = {k: tp.local_shape(k, s) for k, s in shapes.items()} if tp is not None else shapes
         self.numel = {k: math.prod(s) for k, s in local.items()}
         self._where = {k: (u, i) for u in layout.units for i, k in enumerate(u.keys)} if layout else {}
@@ -165,6 +185,8 @@ class Spans:
         return self.tp.coords[rank]
 
     def span(self, key: str, rank: int) -> tuple[int, int]:
+        if self.holders is not None:
+            return (0, self.numel[key]) if self.holders[key] == rank else (0, 0)
         dp, tp_rank = self.coords(rank)
         if self.tp is not None and key not in self.tp.splits and tp_rank != 0:
             return (0, 0)  # replicated over tp: its tp rank 0 saves it
@@ -340,3 +362,20 @@ def _rng_tensor(read, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         raise CheckpointError(f"{name}: {t.dtype} of shape {list(t.shape)}, not the {dtype} of shape {list(shape)} "
                               "a generator state is")
     return t
+
+
+def refuse_pipeline(state: TrainState, what: str, world_size: int, rank: int) -> None:
+    """Refuse (on every rank alike, before any exchange) a pipeline state checkpoints cannot record yet: one
+    with `shard` or `tensor_parallel` besides (each stage's own layout over dp or tp), or whose pipeline ranks
+    are not the ranks of the world in order."""
+    stages = pipeline_of(state)
+    if stages is None:
+        return
+    if "shard" in state.extras or "tensor_parallel" in state.extras or \
+            (stages.pp, stages.rank) != (world_size, rank):
+        raise ValueError(
+            f"zfunc.io.{what}: this state is split into pipeline stages and also over other ranks (shard or "
+            "tensor_parallel besides pipeline, or pipeline ranks that are not the world's), which checkpoints "
+            "do not record yet. Save full parameters instead: full = step.gather(state) (every rank), then on "
+            "rank 0 safetensors.torch.save_file(full, path), and start from them with "
+            "step.init(zf.TrainState.create(full, tx)).")

@@ -63,7 +63,8 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     check_files(step_dir, manifest)
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
     layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")))
+    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")),
+                  (manifest.get("pipeline") or {}).get("holders"))
     group = manifest["weights"]
     if group not in manifest["groups"] and shapes:
         raise CheckpointError(f"{step_dir}: corrupt manifest: its weights {group!r} are not among its groups")

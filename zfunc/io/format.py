@@ -31,9 +31,11 @@ import torch
 
 FORMAT = "zfunc-checkpoint"
 FORMAT_VERSION = 3  # the newest this zfunc reads. 2: manifest.sha256, ties, latest records the manifest's digest;
-#                    3: tensor_parallel (the tp split and each rank's (dp, tp) coordinates)
-WRITTEN_VERSION = 2  # what a save writes, unless the state is split by tensor_parallel:
-TP_FORMAT_VERSION = 3
+#                    3: a section of how the state is split beyond shard: "tensor_parallel" (the tp split and each
+#                    rank's (dp, tp) coordinates) or "pipeline" (the rank holding each parameter)
+WRITTEN_VERSION = 2  # what a save writes, unless the state is split by tensor_parallel or pipeline:
+SECTIONED_VERSION = 3
+SECTIONS = ("tensor_parallel", "pipeline")  # the optional manifest sections of format 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CHUNK = 64 << 20          # bytes per write/read/hash piece of a large tensor

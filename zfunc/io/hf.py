@@ -70,7 +70,7 @@ from torch import nn
 from zfunc import dist
 from zfunc.interpret import check_alive, forget_copies
 from zfunc.interpret import init as init_step
-from zfunc.io.entries import Spans, global_shapes, layout_of, tp_layout_of, walk, weights_path
+from zfunc.io.entries import Spans, global_shapes, layout_of, pipeline_of, tp_layout_of, walk, weights_path
 from zfunc.io.format import CheckpointError, progress_bar
 from zfunc.io.hf_export import export_hf
 from zfunc.io.hf_files import HFCheckpoint
@@ -194,6 +194,10 @@ def load_pretrained(directory: str | os.PathLike, like: TrainState, *, step: Cal
         raise ValueError("load_pretrained: this state is split by tensor_parallel; load the pretrained weights "
                          "into the plain state first (before step.init), then build it with the tensor_parallel "
                          "step's init")
+    if not meta and pipeline_of(like) is not None:  # (likewise: each rank holds its stages' parameters only)
+        raise ValueError("load_pretrained: this state is split into pipeline stages; load the pretrained weights "
+                         "into the plain state first (before step.init), then build it with the pipeline step's "
+                         "init")
     try:
         if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"load_pretrained: the state is sharded for rank {layout.rank} of "

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from zfunc import dist
-from zfunc.io.entries import Spans, escape, global_shapes, layout_of, tp_layout_of, walk, weights_path
+from zfunc.io.entries import Spans, escape, global_shapes, layout_of, pipeline_of, tp_layout_of, walk, weights_path
 from zfunc.io.format import CheckpointError, dtype_from_name, dtype_name, progress_bar, write_safetensors
 from zfunc.io.hf_files import CONFIG, INDEX, WEIGHTS
 from zfunc.io.hf_names import module_names
@@ -215,6 +215,9 @@ def _from_state(state: TrainState, g: dist.Group, dtype, aliases: str, model) ->
     """Each weight assembled from the ranks' shards (one all-gather per parameter under `shard`)."""
     if tp_layout_of(state) is not None:
         raise ValueError("export_hf: this state is split by tensor_parallel; export its full parameters: "
+                         "export_hf(out_dir, step.gather(state), model=...) (every rank calls step.gather)")
+    if pipeline_of(state) is not None:  # each rank holds its stages' parameters only
+        raise ValueError("export_hf: this state is split into pipeline stages; export its full parameters: "
                          "export_hf(out_dir, step.gather(state), model=...) (every rank calls step.gather)")
     layout = layout_of(state)
     if layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):

@@ -36,6 +36,7 @@ from zfunc.io.format import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
+    SECTIONS,
     CheckpointError,
     MissingFile,
     dtype_name,
@@ -56,8 +57,10 @@ DTYPE_NAMES = {dtype_name(d): d for d in DTYPES}
 
 COMMON_FIELDS = ("format", "format_version", "zfunc_version", "torch_version", "created", "step", "world_size",
                  "stage", "layout", "params", "weights", "groups", "leaves", "files")
-FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"),  # what each format version's manifest holds
-          3: (*COMMON_FIELDS, "ties", "tensor_parallel")}
+# What each format version's manifest holds. Format 3 adds one of the `SECTIONS`: "tensor_parallel" (a state
+# split by `tensor_parallel`: its split and each rank's (dp, tp) coordinates) or "pipeline" (a `pipeline`
+# state: the rank holding each parameter, the rank of its stage).
+FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"), 3: (*COMMON_FIELDS, "ties")}
 
 
 def rank_file(rank: int, part: int = 0) -> str:
@@ -153,14 +156,14 @@ class Fields:
     def fail(self, field: str, what: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: corrupt or not written by zfunc: field {field} {what}")
 
-    def record(self, value: Any, field: str, keys: tuple[str, ...]) -> dict:
-        """A JSON object with exactly ``keys``."""
+    def record(self, value: Any, field: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+        """A JSON object with exactly ``keys``, and any of ``optional``."""
         if not isinstance(value, dict):
             raise self.fail(field, f"must be an object, got {_kind(value)}")
         missing = [k for k in keys if k not in value]
         if missing:
             raise self.fail(field, f"lacks {', '.join(map(repr, missing))}")
-        extra = [k for k in value if k not in keys]
+        extra = [k for k in value if k not in keys and k not in optional]
         if extra:
             raise self.fail(field, f"has unexpected {', '.join(map(repr, extra[:5]))}")
         return value
@@ -226,14 +229,19 @@ def validate(m: dict, path: Path) -> None:
     """
     f = Fields(path)
     version = m["format_version"]
-    f.record(m, "(the manifest)", FIELDS[version])
+    f.record(m, "(the manifest)", FIELDS[version], optional=SECTIONS if version >= 3 else ())
+    if version >= 3:
+        present = [k for k in SECTIONS if k in m]
+        if len(present) != 1:
+            raise f.fail("(the manifest)", f"a format-3 manifest has one of {' or '.join(map(repr, SECTIONS))}; this "
+                                           f"one has {' and '.join(map(repr, present)) or 'neither'}")
     for key in ("zfunc_version", "torch_version", "created"):
         f.string(m[key], key)
     f.integer(m["step"], "step")
     world = f.integer(m["world_size"], "world_size", 1, MAX_RANKS)
     stage = f.integer(m["stage"], "stage", 0, 3)
     params = {k: f.shape(v, f"params[{k!r}]") for k, v in f.mapping(m["params"], "params").items()}
-    tp = _validate_tensor_parallel(f, m["tensor_parallel"], world, params, m["layout"]) if version >= 3 else None
+    tp = _validate_tensor_parallel(f, m["tensor_parallel"], world, params, m["layout"]) if "tensor_parallel" in m else None
     _validate_layout(f, m["layout"], stage, world // (tp or 1), _local_shapes(params, m, tp))
     groups = f.mapping(m["groups"], "groups")
     described = 0  # bytes of tensors the manifest says its files hold
@@ -253,6 +261,8 @@ def validate(m: dict, path: Path) -> None:
         described += math.prod(f.shape(leaf["shape"], f"leaves[{name!r}].shape")) * DTYPE_NAMES[dtype].itemsize
     if version >= 2:
         _validate_ties(f, m["ties"], params)
+    if "pipeline" in m:
+        _validate_pipeline(f, m["pipeline"], world, params, stage)
     held = _validate_files(f, m["files"], world)
     if described > held:
         raise CheckpointError(f"{path}: corrupt or crafted: its shapes describe {described} bytes of tensors, but "
@@ -325,6 +335,22 @@ def _validate_layout(f: Fields, layout: Any, stage: int, world: int, params: dic
                 raise f.fail(f"{where}.shapes[{j}]", f"is {shape}, params has {list(params[key])} for {key!r}")
     if seen != params.keys():
         raise f.fail("layout.units", f"leave out parameters {sorted(params.keys() - seen)[:5]}")
+
+
+def _validate_pipeline(f: Fields, pipeline: Any, world: int, params: dict, stage: int) -> None:
+    f.record(pipeline, "pipeline", ("pp", "holders", "stage_blocks"))
+    pp = f.integer(pipeline["pp"], "pipeline.pp", 1, MAX_RANKS)
+    if pp != world or stage != 0:
+        raise f.fail("pipeline", f"is for {pp} pipeline ranks of stage-0 state, the manifest for {world} ranks, "
+                                 f"stage {stage}")
+    holders = f.mapping(pipeline["holders"], "pipeline.holders")
+    if holders.keys() != params.keys():
+        raise f.fail("pipeline.holders", "must name the rank of exactly the parameters in params")
+    for key, rank in holders.items():
+        f.integer(rank, f"pipeline.holders[{_short(key)}]", 0, world - 1)
+    for i, blocks in enumerate(f.array(pipeline["stage_blocks"], "pipeline.stage_blocks")):
+        for j, block in enumerate(f.array(blocks, f"pipeline.stage_blocks[{i}]")):
+            f.string(block, f"pipeline.stage_blocks[{i}][{j}]")
 
 
 def _validate_ties(f: Fields, ties: Any, params: dict) -> None:

@@ -17,14 +17,15 @@ from zfunc.interpret import check_alive, forget_copies
 from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
     Spans,
+    all_shapes,
     apply_rng,
     decode_client_state,
     escape,
-    global_shapes,
     layout_of,
     TPInfo,
     overlaps,
     read_rng,
+    refuse_pipeline,
     walk,
     weights_path,
 )
@@ -69,6 +70,7 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     if not isinstance(like, TrainState):
         raise TypeError(refusal(like, "zf.io.restore(dir, like=...)"))
     g = dist.Group.resolve(group)
+    refuse_pipeline(like, "restore", g.size, g.rank)
     layout = layout_of(like)
     step_dir = error = None
     try:
@@ -253,14 +255,15 @@ class _Reader:
 
     def _plan(self, layout: ShardLayout | None, strict: bool) -> None:
         m, like = self.manifest, self.like
-        shapes = global_shapes(like, layout)
+        shapes = all_shapes(like, layout)  # (under pipeline: every stage's, compared with the checkpoint's)
         saved = {k: tuple(s) for k, s in m["params"].items()}
         problems = describe_mismatch({k: torch.empty(s, device="meta") for k, s in shapes.items()},
                                      {k: torch.empty(s, device="meta") for k, s in saved.items()}, what="checkpoint")
         if problems:
             raise self._fail(f"the checkpoint's parameters differ from the template's:\n{problems}")
         src_layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
-        self.src = Spans(src_layout, saved, TPInfo.from_json(m.get("tensor_parallel")))
+        self.src = Spans(src_layout, saved, TPInfo.from_json(m.get("tensor_parallel")),
+                         (m.get("pipeline") or {}).get("holders"))
         dst = Spans(layout, shapes, TPInfo.of_state(like, self.rank))
         groups, leaves = walk(like)
         source = {p: p for p in groups if p in m["groups"]}
@@ -479,7 +482,8 @@ def check_entries(manifest: dict, files: dict[int, RankFiles], groups, records: 
     client tensors read back): what `zfunc verify` checks beyond the checksums."""
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
     layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")))
+    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")),
+                  (manifest.get("pipeline") or {}).get("holders"))
     for path in groups:
         for key, dtype in manifest["groups"][path].items():
             name = f"{path}/{escape(key)}"

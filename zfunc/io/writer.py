@@ -21,18 +21,22 @@ from zfunc.interpret import check_alive
 from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
     Spans,
+    all_shapes,
     capture_rng,
     encode_client_state,
     escape,
     global_shapes,
+    holders_of,
     layout_of,
     TPInfo,
+    pipeline_of,
+    refuse_pipeline,
     walk,
     weights_path,
 )
 from zfunc.io.format import (
     FORMAT,
-    TP_FORMAT_VERSION,
+    SECTIONED_VERSION,
     WRITTEN_VERSION,
     CheckpointError,
     dtype_name,
@@ -62,6 +66,8 @@ class _Plan(NamedTuple):
     tensors: list[tuple[str, torch.Tensor]]
     rng: dict
     client_state: Any
+    state: TrainState | None = None
+    stages: Any = None  # the state's `PipelineLayout`, if pipeline split it
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +98,7 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     directory = Path(directory)
     g = dist.Group.resolve(group)
+    refuse_pipeline(state, "save", g.size, g.rank)
     plan = error = None
     try:
         plan = _plan(state, client_state, g)
@@ -175,7 +182,7 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     json.dumps(client_json)
     rng, rng_tensors = capture_rng()
     return _Plan(step, layout, tp, _tensors(state, layout, tp, g.rank) + rng_tensors + client_tensors, rng,
-                 client_json)
+                 client_json, state, pipeline_of(state))
 
 
 def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: int, nbytes: int) -> list[dict]:
@@ -185,6 +192,10 @@ def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: in
         tmp.mkdir(parents=True, exist_ok=True)
         info = _write_rank(tmp, plan.tensors, g.rank, progress, part_bytes)
         info.update(rng=plan.rng, client_state=plan.client_state)
+        if plan.stages is not None:  # (rank 0 writes the manifest of every stage's groups: taken out there)
+            groups, _ = walk(plan.state)
+            info["stage"] = {"groups": {p: {k: dtype_name(t.dtype) for k, t in grp.items()}
+                                        for p, grp in groups.items()}, "ties": [list(t) for t in plan.state.ties]}
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
         error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
     results = exchange("save", "write", [info, error], g, io_seconds(nbytes))
@@ -255,7 +266,10 @@ def _tensors(state: TrainState, layout, tp: TPInfo | None, rank: int) -> list[tu
     groups, leaves = walk(state)
     spans = Spans(layout, global_shapes(state, layout), tp)
     tensors: list[tuple[str, torch.Tensor]] = list(leaves.items()) if rank == 0 else []
-    if layout is not None or rank == 0 or tp is not None:  # a plain state is the same on every rank: rank 0 writes it
+    stages = pipeline_of(state)
+    # A plain state is the same on every rank: rank 0 writes it. Under tensor_parallel each rank writes its tp
+    # shards (the replicated parameters: tp rank 0), under pipeline its stages' parameters.
+    if layout is not None or rank == 0 or tp is not None or stages is not None:
         for path, group in groups.items():
             for key, t in group.items():
                 if layout is None and tp is None:
@@ -307,17 +321,36 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
     if layout is not None:
         layout_json = layout.to_json()
         del layout_json["rank"]
-    return {
+    stage_infos = [info.pop("stage", None) for info in infos]  # (not part of a rank's entry of files)
+    pipeline = None
+    groups_json = {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()}
+    ties = [list(tie) for tie in state.ties]
+    if plan.stages is not None:
+        # Every stage's groups and ties, in the model's order; which rank holds each parameter.
+        shapes = all_shapes(state, layout)
+        groups_json = {path: {k: d for info in stage_infos for k, d in info["groups"][path].items()}
+                       for path in groups_json}
+        groups_json = {path: {k: g[k] for k in shapes} for path, g in groups_json.items()}
+        ties = sorted({tuple(t) for info in stage_infos for t in info["ties"]})
+        ties = [list(t) for t in ties]
+        pipeline = {"pp": plan.stages.pp, "holders": holders_of(state),
+                    "stage_blocks": [list(b) for b in plan.stages.stage_blocks]}
+    # Version 2 unless the state is split by tensor_parallel or pipeline: what a zfunc without them reads.
+    manifest = {
         "format": FORMAT, "format_version": WRITTEN_VERSION, "zfunc_version": VERSION,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": plan.step, "world_size": world_size, "stage": layout.stage if layout is not None else 0,
         "layout": layout_json,
-        "params": {k: list(s) for k, s in global_shapes(state, layout).items()},
+        "params": {k: list(s) for k, s in all_shapes(state, layout).items()},
         "weights": weights_path(groups),
-        "groups": {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()},
+        "groups": groups_json,
         "leaves": {path: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for path, t in leaves.items()},
-        "ties": [list(tie) for tie in state.ties],
+        "ties": ties,
         "files": infos,
-        **({"format_version": TP_FORMAT_VERSION, "tensor_parallel": plan.tp.to_json()} if plan.tp is not None else {}),
     }
+    if plan.tp is not None:
+        manifest.update(format_version=SECTIONED_VERSION, tensor_parallel=plan.tp.to_json())
+    if pipeline is not None:  # (never both: refuse_pipeline refuses a pipeline state with tensor_parallel)
+        manifest.update(format_version=SECTIONED_VERSION, pipeline=pipeline)
+    return manifest

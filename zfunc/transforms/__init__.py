@@ -9,9 +9,10 @@ from zfunc.transforms.checkpoint import checkpoint
 from zfunc.transforms.compile_blocks import compile_blocks
 from zfunc.transforms.mixed_precision import Policy, mixed_precision
 from zfunc.transforms.offload import offload
+from zfunc.transforms.pipeline import pipeline
 from zfunc.transforms.shard import shard
 from zfunc.transforms.tensor_parallel import tensor_parallel
 from zfunc.transforms.tp_plans import FusedColwise, TPPlan, tp_plan
 
 __all__ = ["FusedColwise", "Policy", "TPPlan", "accumulate", "checkpoint", "compile_blocks", "mixed_precision", "offload",
-           "shard", "tensor_parallel", "tp_plan"]
+           "pipeline", "shard", "tensor_parallel", "tp_plan"]

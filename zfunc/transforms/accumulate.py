@@ -130,6 +130,12 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
         return _mean_value(total_value, k, has_aux), rebuild(acc.mean(k, keyed))
 
 
+def split_micro_batches(tree: Any, k: int) -> list:
+    """``k`` micro-batches of ``tree`` (the arguments of a loss function): `accumulate`'s splitting rule
+    (also `pipeline`'s)."""
+    return _split(tree, k)
+
+
 def _split(tree: Any, k: int) -> list:
     """``k`` copies of ``tree`` in which every tensor is replaced by its i-th slice along dim 0.
 
