@@ -87,7 +87,7 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
               regional=False):
     import zfunc as zf
     from zfunc.interpret import Transform
-    from zfunc.transforms import checkpoint, compile_blocks, mixed_precision, offload, shard
+    from zfunc.transforms import checkpoint, mixed_precision, offload, shard
 
     class phases(Transform):  # noqa: N801 - observes the primitives with a PhaseClock (its configuration)
         name, level = "phases", 9
@@ -123,6 +123,8 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
 
     step = mixed_precision(train_step, "bf16")
     if regional:  # each block's forward compiled (once for all 24), the step eager
+        from zfunc.transforms import compile_blocks  # (here: an A/B baseline without it runs the rest)
+
         torch._dynamo.reset()
         step = compile_blocks(step)
     if use_checkpoint:

@@ -81,6 +81,7 @@ class TracedSpec(NamedTuple):
 
 
 _LEAF = TracedSpec(None, None, ())
+_NAMED_TUPLE = "namedtuple"  # a NamedTuple's meta (compared by identity: no registered node's context is this object)
 
 
 def _one_level(node: Any) -> tuple[tuple, Any] | None:
@@ -97,8 +98,8 @@ def _one_level(node: Any) -> tuple[tuple, Any] | None:
         except TypeError:  # keys of mixed types: optree keeps their order then
             order = keys
         return tuple(node[k] for k in order), (tuple(order), tuple(keys))
-    if isinstance(node, tuple) and hasattr(kind, "_fields"):  # a NamedTuple
-        return tuple(node), None
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # a NamedTuple (asked of the instance:
+        return tuple(node), _NAMED_TUPLE                       # torch 2.11's dynamo cannot ask the class)
     entry = torch_pytree.SUPPORTED_NODES.get(kind)
     if entry is None:
         return None
@@ -141,7 +142,7 @@ def traced_unflatten(spec: TracedSpec, leaves: Any) -> Any:
             out = dict.fromkeys(keys)
             out.update(zip(order, children))
             return out
-        if issubclass(s.kind, tuple) and hasattr(s.kind, "_fields"):
+        if s.meta is _NAMED_TUPLE:
             return s.kind(*children)
         return torch_pytree.SUPPORTED_NODES[s.kind].unflatten_fn(children, s.meta)
 

@@ -562,14 +562,19 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         copy = new.compute_copy
         if copy is None:
             copy = {k: v.to(self.policy.compute) for k, v in master.items()}
-        state = new.state.replace(params=copy, extras={**new.state.extras, self.name: mp._replace(master=master)})
+        # (Built, not ``mp._replace``: torch 2.11's dynamo returns what ``_replace`` makes in a trace as an
+        # empty tuple, and the next call recompiles on its length.)
+        mp = MixedPrecisionState(master, mp.loss_scale, mp.good_steps, mp.hysteresis_left, mp.skipped_steps,
+                                 mp.policy)
+        state = new.state.replace(params=copy, extras={**new.state.extras, self.name: mp})
         return Updated(state, None)
 
     def _update_scale(self, mp: MixedPrecisionState, overflow: torch.Tensor):
         """The scaler after a step (branch-free), and whether an overflow hit the minimum scale."""
         skipped_steps = mp.skipped_steps + overflow.to(torch.int64)
         if self.scaling == "static":
-            return mp._replace(skipped_steps=skipped_steps), torch.zeros((), dtype=torch.bool)
+            return (MixedPrecisionState(mp.master, mp.loss_scale, mp.good_steps, mp.hysteresis_left, skipped_steps,
+                                        mp.policy), torch.zeros((), dtype=torch.bool))  # (not _replace: see above)
         scale, good, hyst = mp.loss_scale, mp.good_steps, mp.hysteresis_left
         exhausted = hyst <= 1
         drop = overflow & exhausted
