@@ -414,6 +414,12 @@ MALFORMED = {
     "format_version 0": (_set(("format_version",), 0), r"format_version is 0"),
     "format_version str": (_set(("format_version",), "2"), r"format_version is '2'"),
     "extra field": (_set(("surprise",), 1), r"has unexpected 'surprise'"),
+    # Format 3 carries exactly one section: tensor_parallel's or pipeline's (never in a format 2 manifest).
+    "format 2 with a section": (_set(("pipeline",), {}), r"has unexpected 'pipeline'"),
+    "format 3 without a section": (_set(("format_version",), 3), r"has one of 'tensor_parallel' or 'pipeline'; "
+                                                                    r"this one has neither"),
+    "format 3 with both sections": (lambda m: m.update(format_version=3, tensor_parallel={}, pipeline={}),
+                                    r"this one has 'tensor_parallel' and 'pipeline'"),
     "step -1": (_set(("step",), -1), r"field step must be in"),
     "step huge": (_set(("step",), 10 ** 30), r"field step must be in"),
     "step str": (_set(("step",), "2"), r"field step must be an integer, got str"),
