@@ -27,6 +27,16 @@ from zfunc.testing import run_distributed
 TIMEOUT = 300
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A Trainer built in this process (the refusal tests) sets up accelerate's state, which makes a process
+    group of one when torchrun's variables are in the environment; every later forked test rank would inherit
+    it (``zfunc.testing`` refuses that), so it goes with the test."""
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _run(world: int, kind: str, out_dir, **kwargs):
     return run_distributed(lambda: train(kind, str(out_dir), **kwargs), world, timeout=TIMEOUT)
 

@@ -37,7 +37,7 @@ def test_facts_are_declared_by_the_transforms_once():
     facts = stacked.stack.facts
     assert facts == Facts(compute_dtype=torch.bfloat16, master_dtype=torch.float32, reduce_dtype=torch.bfloat16,
                           loss_scaling="none", stage=3, optimizer_tier="host", optimizer_split=(0.0, 1.0, 0.0),
-                          params_tier="device", micro_batches=2, recompute=True,
+                          params_tier="device", micro_batches=2, accumulates=True, recompute=True,
                           fused_update=True)
     assert stacked.stack is stacked.stack  # built once
     assert offload(step, optimizer="cpu-pytree").stack.facts.fused_update is False
