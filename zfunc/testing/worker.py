@@ -93,7 +93,6 @@ def _setup_worker(spec: WorkerSpec, rank: int) -> None:
     env = {
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
-        "NUMBA_NUM_THREADS": "1",
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
         "WORLD_SIZE": str(spec.world_size),
@@ -101,8 +100,13 @@ def _setup_worker(spec: WorkerSpec, rank: int) -> None:
     }
     if any(ifname == "lo" for _, ifname in socket.if_nameindex()):
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ.update(env)
     numba = sys.modules.get("numba")
+    if numba is None:
+        # For a numba imported later in this worker. Not once the parent imported it: numba re-reads the
+        # variable whenever it compiles a function (a kernel first compiled here, with no cache on disk
+        # yet), and refuses a value other than the thread count its configuration started with.
+        env["NUMBA_NUM_THREADS"] = "1"
+    os.environ.update(env)
     if numba is not None:
         try:
             numba.set_num_threads(1)
