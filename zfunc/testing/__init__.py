@@ -108,6 +108,7 @@ forked rank.
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing
 import os
@@ -201,10 +202,17 @@ def run_distributed(
     readers = [r for r, _ in pipes]
     try:
         spec = WorkerSpec(fn, args, kwargs, world_size, tmpdir, float(timeout), os.getpid(), pipes)
-        for rank in range(world_size):
-            p = ctx.Process(target=worker_main, args=(spec, rank), name=f"zfunc-rank{rank}")
-            p.start()
-            procs.append(p)
+        # Everything the workers inherit is frozen out of their garbage collector: an inherited object whose
+        # finalizer waits on a lock or a thread of the parent (threads do not survive fork) would hang the
+        # worker's first collection (seen: Lightning's window thread, then accelerate's gc.collect()).
+        gc.freeze()
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(target=worker_main, args=(spec, rank), name=f"zfunc-rank{rank}")
+                p.start()
+                procs.append(p)
+        finally:
+            gc.unfreeze()  # (the parent collects its own objects as before)
         for _, w in pipes:
             w.close()
         return _collect(name, procs, readers, tmpdir, float(timeout))
