@@ -386,25 +386,21 @@ class pipeline(Transform):  # noqa: N801
         """Tied weights: each owner sends its current value to the stages that borrow it."""
         lent: dict[int, dict[str, torch.Tensor]] = {}
         ops = []
-        for key, users in layout.borrowers:
-            owner = dict(layout.owner)[key]
-            src = layout.rank_of(owner)
-            for user in users:
-                dst = layout.rank_of(user)
-                if src == dst == group.rank:
-                    lent.setdefault(user, {})[key] = params[key]
-                elif src == group.rank:
-                    ops.append(tdist.P2POp(tdist.isend, group.place(params[key]).contiguous(), _global(group, dst),
-                                           group.handle))
-                    counters.tied_sent += 1
-                    counters.elements += params[key].numel()
-                elif dst == group.rank:
-                    shape = dict(layout.shapes)[key]
-                    buf = torch.empty(shape, dtype=next_tensor(params).dtype, device=group.device)
-                    ops.append(tdist.P2POp(tdist.irecv, buf, _global(group, src), group.handle))
-                    lent.setdefault(user, {})[key] = buf
-                    counters.tied_received += 1
-                    counters.elements += buf.numel()
+        for key, user, src, dst in layout.loans():
+            if src == dst == group.rank:
+                lent.setdefault(user, {})[key] = params[key]
+            elif src == group.rank:
+                ops.append(tdist.P2POp(tdist.isend, group.place(params[key]).contiguous(), _global(group, dst),
+                                       group.handle))
+                counters.tied_sent += 1
+                counters.elements += params[key].numel()
+            elif dst == group.rank:
+                shape = dict(layout.shapes)[key]
+                buf = torch.empty(shape, dtype=next_tensor(params).dtype, device=group.device)
+                ops.append(tdist.P2POp(tdist.irecv, buf, _global(group, src), group.handle))
+                lent.setdefault(user, {})[key] = buf
+                counters.tied_received += 1
+                counters.elements += buf.numel()
         _exchange(ops, group, "lending tied weights between stages")
         return lent
 
@@ -412,24 +408,20 @@ class pipeline(Transform):  # noqa: N801
                           counters: Counters) -> None:
         """Tied weights: each borrower's gradient goes back to the owner, which adds them in stage order."""
         ops, arriving = [], []
-        for key, users in layout.borrowers:
-            owner = dict(layout.owner)[key]
-            src = layout.rank_of(owner)
-            for user in users:
-                dst = layout.rank_of(user)
-                if src == dst == group.rank:
-                    arriving.append((key, borrowed[user][key]))
-                elif dst == group.rank:
-                    ops.append(tdist.P2POp(tdist.isend, group.place(borrowed[user][key]).contiguous(),
-                                           _global(group, src), group.handle))
-                    counters.tied_sent += 1
-                    counters.elements += borrowed[user][key].numel()
-                elif src == group.rank:
-                    buf = torch.empty_like(grads[key], device=group.device)
-                    ops.append(tdist.P2POp(tdist.irecv, buf, _global(group, dst), group.handle))
-                    arriving.append((key, buf))
-                    counters.tied_received += 1
-                    counters.elements += buf.numel()
+        for key, user, src, dst in layout.loans():
+            if src == dst == group.rank:
+                arriving.append((key, borrowed[user][key]))
+            elif dst == group.rank:
+                ops.append(tdist.P2POp(tdist.isend, group.place(borrowed[user][key]).contiguous(),
+                                       _global(group, src), group.handle))
+                counters.tied_sent += 1
+                counters.elements += borrowed[user][key].numel()
+            elif src == group.rank:
+                buf = torch.empty_like(grads[key], device=group.device)
+                ops.append(tdist.P2POp(tdist.irecv, buf, _global(group, dst), group.handle))
+                arriving.append((key, buf))
+                counters.tied_received += 1
+                counters.elements += buf.numel()
         _exchange(ops, group, "returning tied weights' gradients to their stage")
         for key, g in arriving:
             grads[key] = grads[key] + g.to(grads[key].device)

@@ -46,6 +46,12 @@ class PipelineLayout:
         """The keys stage ``stage`` computes with: its own and those it borrows."""
         return self.owned_by(stage) + [k for k, users in self.borrowers if stage in users]
 
+    def loans(self) -> list[tuple[str, int, int, int]]:
+        """Every loan of a tied weight: ``(key, borrowing stage, owner's rank, borrower's rank)``."""
+        owner = dict(self.owner)
+        return [(key, user, self.rank_of(owner[key]), self.rank_of(user))
+                for key, users in self.borrowers for user in users]
+
     @property
     def keys(self) -> list[str]:
         """The keys this rank holds (its stages' own), in the model's order."""
