@@ -25,3 +25,16 @@ def dist():
     from zfunc.testing import run_distributed
 
     return run_distributed
+
+
+@pytest.fixture
+def no_process_group_left():
+    """Destroys, after the test, a default process group left in the test process. Lightning's DDP-family
+    strategies (zfunc's among them) and accelerate's state make a group of one there and keep it (for a script's
+    later ``trainer.test``); every later forked test rank would inherit it, which ``zfunc.testing`` refuses.
+    Modules that run those trainers in-process use it (``pytest.mark.usefixtures``)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

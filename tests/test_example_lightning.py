@@ -16,17 +16,8 @@ if str(ROOT) not in sys.path:
 
 from examples.lightning_gpt import main  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("no_process_group_left")
 
-@pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """Lightning's DDP-family strategies (ZfuncStrategy among them) make a process group of one and leave it
-    for the script's later ``trainer.test``; here, in the test process, it would be inherited by every later
-    forked test rank (``zfunc.testing`` refuses that), so it goes with the test."""
-    yield
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 # ~5 s per run on 2 CPU cores.
 TINY = ["--steps", "40", "--batch-size", "8", "--seq-len", "32", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",

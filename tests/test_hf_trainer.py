@@ -27,14 +27,7 @@ from zfunc.testing import run_distributed
 TIMEOUT = 300
 
 
-@pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """A Trainer built in this process (the refusal tests) sets up accelerate's state, which makes a process
-    group of one when torchrun's variables are in the environment; every later forked test rank would inherit
-    it (``zfunc.testing`` refuses that), so it goes with the test."""
-    yield
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("no_process_group_left")
 
 
 def _run(world: int, kind: str, out_dir, **kwargs):

@@ -26,20 +26,9 @@ import zfunc.lightning as zl  # noqa: E402
 from zfunc.lightning import ZfuncPrecision, ZfuncStrategy  # noqa: E402
 from zfunc.testing import run_distributed  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left():
-    """Lightning's DDP-family strategies (ZfuncStrategy among them) make a process group of one in the test
-    process and leave it (for a script's later ``trainer.test``); every later forked test rank would inherit it
-    (``zfunc.testing`` refuses that), so it goes with the test."""
-    yield
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 logging.getLogger("lightning").setLevel(logging.ERROR)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("no_process_group_left")]
 
 
 class Block(nn.Module):
