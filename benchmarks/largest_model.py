@@ -119,7 +119,9 @@ def run_zfunc(args, device, micro_batches):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
         return state.apply_gradients(grads), {"loss": loss}
 
-    inner = checkpoint(mixed_precision(accumulate(train_step, micro_batches), "bf16"))
+    def inner(k):
+        return checkpoint(mixed_precision(accumulate(train_step, k) if k > 1 else train_step, "bf16"))
+
     nvme = {"nvme_dir": args.nvme_dir}
     forced = {"device_fraction": 0.0} if args.contender == "zfunc-host" else {}
     # The host budget is what the limit leaves above this process as it stands (CUDA context, libraries).
@@ -127,11 +129,16 @@ def run_zfunc(args, device, micro_batches):
                "host_bytes": int(args.host_limit_gib * GiB) - _group_rss(os.getpgid(0)),
                "nvme_bytes": _disk_free(args.nvme_dir)}
     start = time.perf_counter()
-    memory_plan = zf.plan(shard(offload(inner, **nvme, **forced), stage=3), loss_fn,
-                          torch.empty(args.micro_batch, SEQ, dtype=torch.long, device=device), params,
-                          fit=not forced, **budgets)
+    rows = args.micro_batch * micro_batches  # one update's rows
+    choose = args.zfunc_micro_batch == "auto"
+    if not choose:  # as asked: one micro-batch of --zfunc-micro-batch rows, accumulated
+        micro_batches = rows // int(args.zfunc_micro_batch)
+    memory_plan = zf.plan(shard(offload(inner(1 if choose else micro_batches), **nvme, **forced), stage=3), loss_fn,
+                          torch.empty(rows if choose else rows // micro_batches, SEQ, dtype=torch.long,
+                                      device=device), params, fit=not forced, choose_micro_batches=choose, **budgets)
+    micro_batches = memory_plan.micro_batches if choose else micro_batches
     log(f"planned in {time.perf_counter() - start:.1f} s:\n{memory_plan}")
-    step = shard(offload(inner, **nvme, **(forced or memory_plan.offload_kwargs)), stage=3)
+    step = shard(offload(inner(micro_batches), **nvme, **(forced or memory_plan.offload_kwargs)), stage=3)
     log("@phase init")
     start = time.perf_counter()
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)), init_device=device)
@@ -142,12 +149,14 @@ def run_zfunc(args, device, micro_batches):
 
     def one(i):
         nonlocal state
-        state, metrics = step(state, tokens(i, args.micro_batch * micro_batches, device))
+        state, metrics = step(state, tokens(i, rows, device))
         return metrics["loss"]
 
     planned = {"gpu_gib": memory_plan.tiers["gpu"].peak / GiB, "host_gib": memory_plan.tiers["host"].peak / GiB,
-               "nvme_gib": memory_plan.tiers["nvme"].peak / GiB, "placement": memory_plan.placement}
-    return one, {"init_s": init_s, "planned": planned}
+               "nvme_gib": memory_plan.tiers["nvme"].peak / GiB, "placement": memory_plan.placement,
+               "fits": memory_plan.fits}
+    return one, {"init_s": init_s, "planned": planned, "micro_batch": rows // micro_batches,
+                 "micro_batches": micro_batches}
 
 
 def run_deepspeed(args, device, micro_batches, nvme: bool, stage: int = 3, offload: bool = True):
@@ -323,7 +332,7 @@ def supervise(args, size: str, contender: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--contender", contender,
            "--micro-batch", str(args.micro_batch), "--tokens-per-step", str(args.tokens_per_step),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
-           "--host-limit-gib", str(args.host_limit_gib)]
+           "--host-limit-gib", str(args.host_limit_gib), "--zfunc-micro-batch", args.zfunc_micro_batch]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     disk_before = _disk_used(args.nvme_dir)
@@ -374,14 +383,15 @@ def supervise(args, size: str, contender: str) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("size", "contender", "trains", "tok/step", "step s", "tok/s", "TFLOP/s", "GPU alloc", "GPU resv",
+    head = ("size", "contender", "trains", "tok/step", "mb x k", "step s", "tok/s", "TFLOP/s", "GPU alloc", "GPU resv",
             "host peak", "B/param (model)", "disk", "init s", "plan GPU", "plan host", "why / placement")
     lines = [head]
     for r in rows:
         p = r.get("planned", {})
         ok = r.get("trains")
         lines.append((r["size"], r["contender"], "yes" if ok else "no",
-                      f"{r.get('tokens_per_step', 0)}" if ok else "", f"{r['step_s']:.2f}" if ok else "",
+                      f"{r.get('tokens_per_step', 0)}" if ok else "",
+                      f"{r.get('micro_batch')} x {r.get('micro_batches')}" if ok else "", f"{r['step_s']:.2f}" if ok else "",
                       f"{r['tokens_per_s']:.0f}" if ok else "", f"{r['model_tflops']:.1f}" if ok else "",
                       f"{r['gpu_alloc_gib']:.1f}" if ok else "", f"{r['gpu_reserved_gib']:.1f}" if ok else "",
                       f"{r['host_peak_gib']:.1f}", f"{r['host_bytes_per_param']:.1f} ({r['host_bytes_per_param_model']:.1f})" if ok else "",
@@ -396,7 +406,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2.7b,6.7b,13b")
     ap.add_argument("--contenders", default="zfunc,zfunc-host,deepspeed,deepspeed-nvme,fsdp2")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per micro-batch (the incumbents)")
+    ap.add_argument("--zfunc-micro-batch", default="auto",
+                    help="rows per micro-batch for zfunc, or 'auto': the plan chooses the fewest micro-batches "
+                         "that fit (zf.plan(..., choose_micro_batches=True))")
     ap.add_argument("--tokens-per-step", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=2, help="timed steps (after --warmup)")
     ap.add_argument("--warmup", type=int, default=1)

@@ -131,10 +131,13 @@ def test_the_chosen_placement_fits_and_is_what_offload_builds(tmp_path):
     need = everything.tiers["gpu"].peak  # params, grads, activations, in flight: no optimizer on the GPU
     # Room on the GPU for about a third of the optimizer state, on the host for another third.
     gpu_bytes = int((need + state_bytes / 3) / 0.92)  # the plan leaves 8% to the allocator
-    host_bytes = int((state_bytes / 3 + everything.tiers["host"].buffers) / 0.9)  # 10% of the host, chunk buffers
+    # (the host also holds the gradients of the units off the GPU, as backward makes them: 2/3 of them)
+    host_grads = everything.tiers["host"].grads * 2 / 3
+    host_bytes = int((state_bytes / 3 + host_grads + everything.tiers["host"].buffers) / 0.9)  # 10% of the host
     planned = zf.plan(stack, loss_fn, make_batch(), params, baseline=0, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
                       nvme_bytes=1 << 30)
-    assert planned.tiers["gpu"].peak <= gpu_bytes
+    assert planned.fits
+    assert planned.tiers["gpu"].peak <= gpu_bytes and planned.tiers["host"].peak <= host_bytes
     assert planned.tiers["host"].optimizer <= state_bytes / 3 + 1
     assert 0 < planned.offload_kwargs["device_fraction"] < 1 and 0 < planned.offload_kwargs["nvme_fraction"] < 1
     assert not any("plan needs" in n or "does not fit" in n for n in planned.notes), planned.notes
@@ -182,3 +185,31 @@ def test_describe_prints_the_same_table_and_step_plan_is_zf_plan():
     assert table.splitlines()[0].split() == ["tier", "params", "grads", "optimizer", "activations", "buffers", "peak"]
     assert stack.plan(loss_fn, make_batch(), params, baseline=0).tiers == \
         zf.plan(stack, loss_fn, make_batch(), params, baseline=0).tiers
+
+
+def test_the_plan_chooses_the_fewest_micro_batches_that_fit():
+    model, params, step = tiny_lm_step(width=32, hidden=64, depth=4)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    batch = make_batch(batch=32, seq=64)  # one rank's batch for a whole update
+    stack = shard(mixed_precision(step, "bf16"), stage=3)
+
+    def peak_at(k):  # the plan of the step built with k micro-batches, on one micro-batch
+        wrapped = shard(mixed_precision(accumulate(step, k), "bf16"), stage=3) if k > 1 else stack
+        micro = {key: v[: 32 // k] for key, v in batch.items()}
+        return zf.plan(wrapped, loss_fn, micro, params, baseline=0)
+
+    whole, quarter = peak_at(1), peak_at(4)
+    assert quarter.tiers["gpu"].peak < whole.tiers["gpu"].peak  # activations dominate this small model
+    generous = zf.plan(stack, loss_fn, batch, params, baseline=0, gpu_bytes=1 << 40, choose_micro_batches=True)
+    assert generous.micro_batches == 1 and generous.fits
+    budget = quarter.tiers["gpu"].peak + 1  # four micro-batches fit; one does not
+    chosen = zf.plan(stack, loss_fn, batch, params, baseline=0, gpu_bytes=budget, choose_micro_batches=True)
+    fitting = [k for k in (1, 2, 4) if peak_at(k).tiers["gpu"].peak <= budget]
+    assert chosen.micro_batches == fitting[0] > 1 and chosen.fits
+    # ... and its arithmetic is that of the step built with accumulate(step, k): the accumulator included
+    assert chosen.tiers == peak_at(chosen.micro_batches).tiers
+    assert f"chose {chosen.micro_batches} of {32 // chosen.micro_batches} rows" in str(chosen)
+    nothing = zf.plan(stack, loss_fn, batch, params, baseline=0, gpu_bytes=1, choose_micro_batches=True)
+    assert nothing.micro_batches == 32 and not nothing.fits and "DOES NOT FIT" in str(nothing)
+    with pytest.raises(ValueError, match="same leading size"):
+        zf.plan(stack, loss_fn, {"x": batch["x"], "y": batch["y"][:3]}, params, choose_micro_batches=True)

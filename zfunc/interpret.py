@@ -159,6 +159,9 @@ class Stack:
             p: tuple(getattr(t, p) for t in self.transforms if callable(getattr(type(t), p, None)))
             for p in PRIMITIVES}
         self._ids = frozenset(id(t) for t in self.transforms)
+        # Memory a transform keeps from one call of this stack to the next, by name (host gradient buffers:
+        # `zfunc.transforms.grad_accumulator.HostBuffers`); each entry is safe for concurrent calls itself.
+        self.kept: dict[str, Any] = {}
 
     def __contains__(self, transform: Transform) -> bool:
         return id(transform) in self._ids

@@ -53,7 +53,9 @@ from zfunc.blocks import find_blocks
 from zfunc.interpret import Facts, Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
+from zfunc.transforms.accumulate import split_micro_batches
 from zfunc.transforms.grad_accumulator import accumulation_dtype
+from zfunc.transforms.offload import offload
 from zfunc.transforms.pipeline import pipeline
 from zfunc.transforms.pipeline_layout import make_pipeline_layout
 from zfunc.transforms.shard_layout import ROOT, make_layout
@@ -93,6 +95,10 @@ class MemoryPlan:
       facts: the stack's facts the plan assumed.
       placement: the optimizer shares (device, host, nvme) and where stage 3 keeps parameters.
       notes: what the plan could not fit, or assumed.
+      micro_batches: the forward/backward passes per update this plan assumes (the stack's `accumulate`, or
+        the number it chose with ``choose_micro_batches=True``: build the step with
+        ``accumulate(step, plan.micro_batches)``, or without `accumulate` at 1).
+      fits: whether every tier is within its budget (True where no budget was given).
     """
 
     tiers: dict[str, TierBytes]
@@ -101,6 +107,8 @@ class MemoryPlan:
     facts: Facts
     placement: dict[str, Any]
     notes: tuple[str, ...] = ()
+    micro_batches: int = 1
+    fits: bool = True
 
     @property
     def offload_kwargs(self) -> dict[str, Any]:
@@ -114,7 +122,8 @@ class MemoryPlan:
     def __str__(self) -> str:
         head = (f"memory plan per rank (GiB): {self.parameters / 1e9:.2f}B parameters, world size {self.world_size}, "
                 f"stage {self.facts.stage}, compute {_name(self.facts.compute_dtype)}, "
-                f"placement {self.placement}")
+                f"{self.micro_batches} micro-batch{'es' if self.micro_batches > 1 else ''} per update, "
+                f"placement {self.placement}{'' if self.fits else ' (DOES NOT FIT)'}")
         per_param = {t: self.bytes_per_parameter(t) for t in self.tiers}
         return "\n".join([head, format_tiers(self.tiers, per_param), *(f"note: {n}" for n in self.notes)])
 
@@ -146,7 +155,8 @@ def _name(dtype: torch.dtype | None) -> str:
 def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], *,
          world_size: int | None = None, blocks: list[str] | None = None, units: list[str] | None = None,
          gpu_bytes: int | None = None, host_bytes: int | None = None, nvme_bytes: int | None = None,
-         measure: bool = True, baseline: int | None = None, fit: bool = True, pp_rank: int = 0) -> MemoryPlan:
+         measure: bool = True, baseline: int | None = None, fit: bool = True, pp_rank: int = 0,
+         choose_micro_batches: bool = False) -> MemoryPlan:
     """The memory plan of ``step`` (see the module docstring).
 
     Args:
@@ -166,11 +176,53 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
       pp_rank: under `pipeline`, the pipeline rank whose stages are planned (their parameters only);
         activations are measured on the whole model for one micro-batch (``batch``): an upper bound for a
         stage's.
+      choose_micro_batches: ``batch`` is then one rank's batch for a whole update, and the plan splits it
+        into the fewest micro-batches ``k`` (dividing its dim 0, `accumulate`'s rule) whose plan fits the
+        budgets: bigger micro-batches keep the GPU busier, and at ``k = 1`` no gradient accumulator exists
+        (4 bytes per parameter of fp32 sums, on the optimizer's tiers), which at billions of parameters
+        outweighs the larger micro-batch's activations. The stack's own `accumulate` (if any) is replaced
+        by the candidate's in the arithmetic; ``plan.micro_batches`` says what was chosen, and a note what
+        was tried. None fitting: the plan of the smallest micro-batch, with ``fits`` False.
     Returns:
       The `MemoryPlan`.
     """
+    if choose_micro_batches:
+        return _choose_micro_batches(step, loss_fn, batch, params, world_size=world_size, blocks=blocks,
+                                     units=units, gpu_bytes=gpu_bytes, host_bytes=host_bytes,
+                                     nvme_bytes=nvme_bytes, measure=measure, baseline=baseline, fit=fit,
+                                     pp_rank=pp_rank)
+    return _plan(step, loss_fn, batch, params, world_size=world_size, blocks=blocks, units=units,
+                 gpu_bytes=gpu_bytes, host_bytes=host_bytes, nvme_bytes=nvme_bytes, measure=measure,
+                 baseline=baseline, fit=fit, pp_rank=pp_rank)
+
+
+def _choose_micro_batches(step, loss_fn, batch, params, **kwargs) -> MemoryPlan:
+    """`plan` with ``choose_micro_batches=True``: the fewest micro-batches whose plan fits."""
+    rows = {leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim()}
+    if len(rows) != 1:
+        raise ValueError(f"zf.plan(choose_micro_batches=True) splits the batch along dim 0, so every tensor in it "
+                         f"needs the same leading size; got {sorted(rows) or 'no tensors'}")
+    (n,) = rows
+    baseline = kwargs.pop("baseline")
+    baseline = _resident_bytes() if baseline is None else baseline  # (one baseline for every candidate)
+    tried = []
+    for k in (k for k in range(1, n + 1) if n % k == 0):
+        candidate = _plan(step, loss_fn, split_micro_batches(batch, k)[0], params, micro_batches=k,
+                          baseline=baseline, **kwargs)
+        tried.append(f"{k} ({'fits' if candidate.fits else 'does not fit'})")
+        if candidate.fits:
+            break
+    note = (f"micro-batches: chose {k} of {n // k} rows each, the fewest that fit; tried " + ", ".join(tried))
+    return dataclasses.replace(candidate, notes=(*candidate.notes, note))
+
+
+def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes, host_bytes, nvme_bytes, measure,
+          baseline, fit, pp_rank, micro_batches: int | None = None) -> MemoryPlan:
+    """`plan` for one micro-batch ``batch`` (``micro_batches``: instead of the stack's `accumulate`)."""
     facts = step.stack.facts if isinstance(step, Transform) else Facts()
     splitting = step.stack.transforms if isinstance(step, Transform) else ()
+    if micro_batches is not None:
+        facts = facts.replace(micro_batches=micro_batches, accumulates=micro_batches > 1)
     if world_size is None:
         import torch.distributed as tdist
 
@@ -204,7 +256,10 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     # `accumulate`'s accumulator: at stages 2 and 3 fed unit by unit, on each unit's optimizer tier (its bytes
     # per element, ``acc_b``, go with the optimizer shares below; the gradient shards are not kept beside it).
     acc_b = _bytes(accumulation_dtype(facts.accumulate_dtype, compute) or compute) if facts.accumulates else 0
-    per_unit = acc_b if stage >= 2 else 0
+    # One micro-batch under `offload` at stages 2/3: each unit's reduced gradient goes to its optimizer state's
+    # tier as it is made, in the reduce dtype (nothing to sum), like an accumulator of that dtype.
+    sunk = reduce_b if stage >= 2 and facts.pp == 1 and any(isinstance(t, offload) for t in splitting) else 0
+    per_unit = (acc_b or sunk) if stage >= 2 else 0
     kept_grads = 0 if per_unit else reduce_b  # gradient shards kept until the update (stages 2 and 3)
 
     def on_gpu(params_tier: str) -> tuple[int, int, int]:
@@ -225,7 +280,8 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
     if fit and offloading and gpu_bytes is not None and stage >= 1:
         split, params_tier, fit_notes = _fit(on_gpu, shard_elems, max(u.shard_size for u in layout.units), opt_b, cb, activations, stage == 3,
-                                             gpu_bytes, host_bytes, nvme_bytes, baseline, per_unit)
+                                             gpu_bytes, host_bytes, nvme_bytes, baseline, per_unit,
+                                             "gradient accumulators" if acc_b else "gradients")
         notes += fit_notes
     placement = Placement([(u.name, u.shard_size) for u in layout.units], split, torch.device("cpu"), params_tier)
     share = {tier: sum(u.shard_size for u in layout.units if placement.tiers[u.name] == tier)
@@ -242,16 +298,19 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
                           share["host"] * opt_b, 0, chunk_buffers + baseline),
         "nvme": TierBytes(0, 0, share["nvme"] * opt_b, 0, 0),
     }
+    fits = not any("missing" in note or "short of" in note for note in notes)
     for tier, budget in (("gpu", gpu_bytes), ("host", host_bytes), ("nvme", nvme_bytes)):
         if budget is not None and tiers[tier].peak > budget:
+            fits = False
             notes.append(f"{tier}: the plan needs {tiers[tier].peak / GiB:.1f} GiB, {budget / GiB:.1f} GiB is "
                          f"there: {(tiers[tier].peak - budget) / GiB:.2f} GiB ({tiers[tier].peak - budget} bytes) "
                          "missing")
     device_fraction = share["device"] / max(1, shard_elems)
     nvme_fraction = share["nvme"] / max(1, shard_elems)
     return MemoryPlan(tiers, psi, world_size, facts,
-                      {"device_fraction": round(device_fraction, 4), "nvme_fraction": round(nvme_fraction, 4),
-                       "params": params_tier}, tuple(notes))
+                      # (exact: rounded, a fraction could leave the last unit it covers to the next tier)
+                      {"device_fraction": device_fraction, "nvme_fraction": nvme_fraction,
+                       "params": params_tier}, tuple(notes), facts.micro_batches, fits)
 
 
 def _pipeline_stage(step, params: dict, ties: dict, blocks, pp: int, pp_rank: int):
@@ -272,7 +331,7 @@ _HOST_SLACK = 0.90  # of the host budget, the rest for the page cache and the da
 
 
 def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_bytes, host_bytes, nvme_bytes, baseline,
-         acc_b=0):
+         acc_b=0, grads_name="gradient accumulators"):
     """The optimizer shares and parameter tier that fit the budgets: the GPU first, then the host, then NVMe;
     at stage 3, parameters move to the host only when the GPU cannot hold them with the activations. A unit's
     gradient accumulator (``acc_b`` bytes per element, `accumulate` at stages 2/3) lives with its optimizer
@@ -290,7 +349,7 @@ def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_
     # The host holds the accumulators of every unit off the GPU, and the optimizer state of those not on NVMe.
     host_room -= rest * shard_elems * acc_b
     if host_room < 0:
-        notes.append(f"host: the gradient accumulators of the units off the GPU need {rest * shard_elems * acc_b / GiB:.2f} "
+        notes.append(f"host: the {grads_name} of the units off the GPU need {rest * shard_elems * acc_b / GiB:.2f} "
                      f"GiB of host memory; {-host_room / GiB:.2f} GiB ({int(-host_room)} bytes) missing")
     host_share = max(0.0, min(rest, host_room / max(1, shard_elems * opt_b)))
     nvme_share = max(0.0, rest - host_share)

@@ -31,6 +31,8 @@ from zfunc.transforms.grad_accumulator import (
     FLOAT_DTYPES,
     GradAccumulator,
     accumulation_dtype,
+    keyed_grads,
+    kept_host_buffers,
     narrower,
     optimizer_devices,
 )
@@ -110,8 +112,16 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
         dtype = accumulation_dtype(self.dtype, ctx.facts.compute_dtype)
         # (Without shard, offload's update runs on the full gradients: summed on its tier, the host.)
         on_tier = ctx.facts.stage == 0 and ctx.facts.optimizer_tier != "device" and not tracing()
-        ctx.grad_sink = GradAccumulator(dtype, lambda: optimizer_devices(state), tree_on_optimizer_tier=on_tier)
+        ctx.grad_sink = GradAccumulator(dtype, lambda: optimizer_devices(state), tree_on_optimizer_tier=on_tier,
+                                        host_buffers=kept_host_buffers(ctx))
         return ctx.grad_sink
+
+    def run(self, state, batch):
+        acc: GradAccumulator = self.call_scratch()
+        try:
+            return self.step(state, batch)
+        finally:
+            acc.release()
 
     def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
         k = self.micro_batches
@@ -122,7 +132,7 @@ class accumulate(Transform):  # noqa: N801 (a transform reads like a function)
         total_value = grads = None
         for micro_args, micro_kwargs in micro_batches:
             value, grads = next(fn, params, micro_args, micro_kwargs, has_aux)
-            keyed, rebuild = _keyed(grads)
+            keyed, rebuild = keyed_grads(grads)
             if self.dtype is not None and compute is None:
                 self._refuse_narrower(_grad_dtype(keyed, self.dtype))
             acc.add_tree(keyed)  # (what `shard` fed during backward is summed already)
@@ -180,15 +190,6 @@ def _rebuilt(original: Mapping, data: dict) -> Mapping:
     if not isinstance(rebuilt, Mapping) or set(rebuilt.keys()) != set(data):
         raise ValueError(f"accumulate cannot split a {type(original).__name__} batch; pass dict(batch) instead")
     return rebuilt
-
-
-def _keyed(grads: Any) -> tuple[dict, Callable[[dict], Any]]:
-    """``grads`` as a dict (params are a dict of names almost always; any other pytree is keyed by leaf
-    position) and the function that rebuilds the original structure from such a dict."""
-    if isinstance(grads, dict):
-        return grads, lambda d: d
-    leaves, treedef = tree_flatten(grads)
-    return {str(i): g for i, g in enumerate(leaves)}, lambda d: tree_unflatten(treedef, list(d.values()))
 
 
 def _grad_dtype(grads: dict, default: torch.dtype) -> torch.dtype:

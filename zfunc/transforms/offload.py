@@ -44,6 +44,7 @@ import torch
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.optim.fused import contiguous_runs, span_of
+from zfunc.transforms.grad_accumulator import GradAccumulator, keyed_grads, kept_host_buffers, optimizer_devices
 from zfunc.tree import tree_map_tensors
 
 
@@ -182,6 +183,35 @@ class offload(Transform):  # noqa: N801
         if "offload" in state.extras:
             return next(state.replace(params=state.extras["offload"].master))
         return next(state)
+
+    # -- the gradients -----------------------------------------------------------
+    def start(self, ctx, state) -> GradAccumulator | None:
+        # One micro-batch under shard stages 2/3: each unit's gradient leaves the GPU for its optimizer
+        # state's tier as soon as its reduction lands (host memory for host and NVMe units), in its own
+        # dtype (nothing is summed: exact), so no full-size gradient waits on the GPU for the host update.
+        # `accumulate` inside installs its own accumulator; compiled steps and pipelines reduce otherwise.
+        if ctx.facts.stage < 2 or ctx.facts.accumulates or ctx.facts.pp > 1 or tracing():
+            return None
+        ctx.grad_sink = GradAccumulator(None, lambda: optimizer_devices(state), host_buffers=kept_host_buffers(ctx))
+        return ctx.grad_sink
+
+    def run(self, state, batch):
+        sink: GradAccumulator | None = self.call_scratch()
+        try:
+            return self.step(state, batch)
+        finally:
+            if sink is not None:
+                sink.release()
+
+    def value_and_grad(self, next, fn, params, args, kwargs, has_aux):
+        sink: GradAccumulator | None = self.call_scratch()
+        if sink is None:
+            return next(fn, params, args, kwargs, has_aux)
+        sink.begin()
+        value, grads = next(fn, params, args, kwargs, has_aux)
+        keyed, rebuild = keyed_grads(grads)
+        sink.add_tree(keyed)  # (what `shard` did not feed unit by unit: taken as it is)
+        return value, rebuild(sink.mean(1, keyed))
 
     # -- the update ------------------------------------------------------------
     def apply_gradients(self, next, state, grads, request):
