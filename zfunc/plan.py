@@ -205,15 +205,24 @@ def _choose_micro_batches(step, loss_fn, batch, params, **kwargs) -> MemoryPlan:
     (n,) = rows
     baseline = kwargs.pop("baseline")
     baseline = _resident_bytes() if baseline is None else baseline  # (one baseline for every candidate)
-    tried = []
+    budgets = {"gpu": kwargs["gpu_bytes"], "host": kwargs["host_bytes"], "nvme": kwargs["nvme_bytes"]}
+
+    def missing(candidate: MemoryPlan) -> int:
+        return sum(max(0, t.peak - budgets[name]) for name, t in candidate.tiers.items() if budgets[name] is not None)
+
+    tried, best = [], None
     for k in (k for k in range(1, n + 1) if n % k == 0):
         candidate = _plan(step, loss_fn, split_micro_batches(batch, k)[0], params, micro_batches=k,
                           baseline=baseline, **kwargs)
-        tried.append(f"{k} ({'fits' if candidate.fits else 'does not fit'})")
+        tried.append(f"{k} ({'fits' if candidate.fits else f'{missing(candidate) / GiB:.1f} GiB over'})")
+        if best is None or (candidate.fits, -missing(candidate)) > (best.fits, -missing(best)):
+            best = candidate
         if candidate.fits:
             break
-    note = (f"micro-batches: chose {k} of {n // k} rows each, the fewest that fit; tried " + ", ".join(tried))
-    return dataclasses.replace(candidate, notes=(*candidate.notes, note))
+    k = best.micro_batches
+    how = "the fewest that fit" if best.fits else "none fits: the one closest to fitting"
+    note = f"micro-batches: chose {k} of {n // k} rows each, {how}; tried " + ", ".join(tried)
+    return dataclasses.replace(best, notes=(*best.notes, note))
 
 
 def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes, host_bytes, nvme_bytes, measure,
