@@ -28,6 +28,9 @@ fi
 if [[ $PARTS == *equiv* ]]; then
   run equiv ${EQUIV_LIMIT:-240} torchrun --nproc-per-node "$NGPU" tests/gpu/nccl_equivalence.py
 fi
+if [[ $PARTS == *gradtiers* ]]; then
+  run grad_tiers ${GRADTIERS_LIMIT:-240} python3 tests/gpu/grad_tiers.py
+fi
 if [[ $PARTS == *cpuadam* ]]; then
   run cpuadam 120 python3 benchmarks/cpu_adam.py --numel 100000000 --repeats 5 --json "$OUT/cpuadam.json"
 fi

@@ -126,7 +126,7 @@ def run_zfunc(args, device, micro_batches):
     forced = {"device_fraction": 0.0} if args.contender == "zfunc-host" else {}
     # The host budget is what the limit leaves above this process as it stands (CUDA context, libraries).
     budgets = {"gpu_bytes": torch.cuda.mem_get_info(device)[0],
-               "host_bytes": int(args.host_limit_gib * GiB) - _group_rss(os.getpgid(0)),
+               "host_bytes": int((args.host_limit_gib - args.host_margin_gib) * GiB) - _group_rss(os.getpgid(0)),
                "nvme_bytes": _disk_free(args.nvme_dir)}
     start = time.perf_counter()
     rows = args.micro_batch * micro_batches  # one update's rows
@@ -332,7 +332,8 @@ def supervise(args, size: str, contender: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--contender", contender,
            "--micro-batch", str(args.micro_batch), "--tokens-per-step", str(args.tokens_per_step),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
-           "--host-limit-gib", str(args.host_limit_gib), "--zfunc-micro-batch", args.zfunc_micro_batch]
+           "--host-limit-gib", str(args.host_limit_gib),
+           "--host-margin-gib", str(args.host_margin_gib), "--zfunc-micro-batch", args.zfunc_micro_batch]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     disk_before = _disk_used(args.nvme_dir)
@@ -415,6 +416,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--nvme-dir", default=os.environ.get("TMPDIR", "/tmp"), help="the NVMe tier's directory")
     ap.add_argument("--host-limit-gib", type=float, default=115.0, help="kill a run whose resident memory passes this")
+    ap.add_argument("--host-margin-gib", type=float, default=8.0,
+                    help="left out of zfunc's host budget below --host-limit-gib: page-locked staging buffers "
+                         "(rounded up by torch's pinned cache) and NVMe pages in flight, which the plan does not count")
     ap.add_argument("--limit-s", type=float, default=540.0, help="kill a run that takes longer")
     ap.add_argument("--stop-after-failure", action="store_true",
                     help="per contender, skip the larger sizes once one size did not train")
