@@ -160,7 +160,7 @@ def run_zfunc(args, device, micro_batches):
     nvme = {"nvme_dir": args.nvme_dir}
     forced = {"device_fraction": 0.0} if args.contender == "zfunc-host" else {}
     # The host budget is what the limit leaves above this process as it stands (CUDA context, libraries).
-    budgets = {"gpu_bytes": torch.cuda.mem_get_info(device)[0],
+    budgets = {"gpu_bytes": torch.cuda.mem_get_info(device)[0] + int(args.gpu_extra_gib * GiB),
                "host_bytes": int((args.host_limit_gib - args.host_margin_gib) * GiB) - _group_rss(os.getpgid(0)),
                "nvme_bytes": _disk_free(args.nvme_dir)}
     start = time.perf_counter()
@@ -368,7 +368,8 @@ def supervise(args, size: str, contender: str) -> dict:
            "--micro-batch", str(args.micro_batch), "--tokens-per-step", str(args.tokens_per_step),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--nvme-dir", args.nvme_dir,
            "--host-limit-gib", str(args.host_limit_gib),
-           "--host-margin-gib", str(args.host_margin_gib), "--loss-chunks", str(args.loss_chunks), "--zfunc-micro-batch", args.zfunc_micro_batch]
+           "--host-margin-gib", str(args.host_margin_gib), "--loss-chunks", str(args.loss_chunks),
+           "--gpu-extra-gib", str(args.gpu_extra_gib), "--zfunc-micro-batch", args.zfunc_micro_batch]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "PYTHONUNBUFFERED": "1"}
     disk_before = _disk_used(args.nvme_dir)
@@ -454,6 +455,9 @@ def main() -> int:
     ap.add_argument("--loss-chunks", type=int, default=1,
                     help="zfunc: the loss over this many slices of the tokens, each slice's logits recomputed in "
                          "backward (1: the full logits, as the incumbents)")
+    ap.add_argument("--gpu-extra-gib", type=float, default=0.0,
+                    help="added to the GPU budget zfunc plans with (a diagnostic: what a plan that counted the GPU "
+                         "closer would place)")
     ap.add_argument("--host-margin-gib", type=float, default=8.0,
                     help="left out of zfunc's host budget below --host-limit-gib: page-locked staging buffers "
                          "(rounded up by torch's pinned cache) and NVMe pages in flight, which the plan does not count")
