@@ -39,7 +39,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import is_fake
 
-from zfunc.interpret import Finding, current, dispatch, gradients_ready, psum
+from zfunc.donation import Finding
+from zfunc.primitives import dispatch, gradients_ready, psum
+from zfunc.step_context import current
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 

@@ -50,7 +50,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfunc.blocks import find_blocks
-from zfunc.interpret import Facts, Transform, transforms_of
+from zfunc.facts import Facts
+from zfunc.interpret import Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.grad_accumulator import accumulation_dtype
@@ -426,7 +427,7 @@ def _fake_constants(model, fake, device, dtype) -> list:
 def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
     """``loss_fn`` run under a `checkpoint` transform of the model's blocks (zfunc's recompute, which hands a
     block its parameters as inputs, so the recompute in backward still sees them)."""
-    from zfunc.interpret import _CONTEXT, StepContext
+    from zfunc.step_context import CONTEXT, StepContext
     from zfunc.transforms.checkpoint import checkpoint
 
     stack = checkpoint(lambda state, batch: (state, {}), modules=list(blocks))
@@ -434,11 +435,11 @@ def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
     def wrapped(params, batch):
         ctx = StepContext(stack.stack)
         ctx.scratch[id(stack)] = stack.start(ctx, None)
-        token = _CONTEXT.set(ctx)
+        token = CONTEXT.set(ctx)
         try:
             return loss_fn(params, batch)
         finally:
-            _CONTEXT.reset(token)
+            CONTEXT.reset(token)
 
     return wrapped
 

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from zfunc.compiled import tracing
-from zfunc.interpret import Donation, UpdateRequest, Updated, check_laid_out_by, current, dispatch
+from zfunc.donation import Donation, check_laid_out_by
+from zfunc.primitives import UpdateRequest, Updated, dispatch
+from zfunc.step_context import current
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.fused import fused_update
 from zfunc.tree import describe_mismatch, register_pytree_node, tree_map, tree_structure

@@ -285,7 +285,7 @@ def _deepspeed_lamb_direction(b1, b2, eps, weight_decay, bias_correction, eps_in
         return ScaleByAdamState(count, tree_zeros_like(params), tree_zeros_like(params))
 
     def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None):
-        from zfunc.interpret import psum  # noqa: PLC0415 (interpret imports optim; see scale_by_trust_ratio)
+        from zfunc.primitives import psum  # noqa: PLC0415 (interpret imports optim; see scale_by_trust_ratio)
 
         if params is None:
             raise ValueError("deepspeed_lamb needs params: call tx.update(updates, state, params)")

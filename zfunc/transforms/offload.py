@@ -42,8 +42,11 @@ from typing import Any, Callable, Literal, NamedTuple
 import torch
 
 from zfunc.compiled import tracing
-from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.facts import Facts
+from zfunc.interpret import Transform
 from zfunc.optim.fused import contiguous_runs, span_of
+from zfunc.primitives import Updated
+from zfunc.step_context import current
 from zfunc.tree import tree_map_tensors
 
 
