@@ -11,7 +11,7 @@ placement that fits (`MemoryPlan.offload_kwargs`).
 What is counted, and how (Ψ parameters, N ranks; sizes from the shard layout,
 padding included):
 
-- model state, exactly, from the stack's declared facts (`zfunc.interpret.Facts`)
+- model state, exactly, from the stack's declared facts (`zfunc.facts.Facts`)
   and the shard layout: parameters in the compute dtype (stage 3: this rank's
   shards), gradients kept for the update (stages 2 and 3: shards of the reduce
   dtype; stages 0 and 1: the full gradient; under `accumulate`, its accumulator

@@ -255,7 +255,7 @@ def deepspeed_lamb(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps
     It differs from `zf.optim.lamb` (You et al.): the moments in ``u`` are
     not bias-corrected (the correction multiplies the step instead, so
     ``eps`` and the weight decay weigh differently), and the trust ratio is
-    clamped. Norms are over whole parameters (`zfunc.interpret.psum` over
+    clamped. Norms are over whole parameters (`zfunc.primitives.psum` over
     shards). State: ``(ScaleByAdamState, ScaleByLearningRateState)``.
     """
     for name, value in (("b1", b1), ("b2", b2)):

@@ -23,7 +23,7 @@ Composes inside `shard` (``shard(offload(step), stage=...)``): each rank's
 shard of the optimizer state lives on its host. Must not wrap `shard`.
 
 The host kernel's thread count is passed into the kernel call
-(`zfunc.interpret.UpdateRequest.host_threads`); nothing process-wide changes.
+(`zfunc.primitives.UpdateRequest.host_threads`); nothing process-wide changes.
 
 What was tried and dropped: updating each unit on the host while backward
 still runs (an exact, speculative "update ahead", taken only when the step
