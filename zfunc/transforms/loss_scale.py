@@ -38,9 +38,8 @@ hysteresis left ``h``, the overflow flag ``o``, window ``W``, hysteresis
     at_min = drop and s <= m          (the error above)
 
 computed branch-free on the device (`torch.where`), so no step reads the
-scaler on the host. bf16 and fp32 policies have no loss scale (fixed 1):
-gradients are not checked and nothing is skipped, exactly like the plain step
-(NaNs propagate).
+scaler on the host. bf16 and fp32 compute has no loss scale (mode ``"none"``:
+fixed 1, nothing checked or skipped).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """`mixed_precision`'s ``apply``: one model call run on the compute copy, its outputs in the output dtype.
 
-Parameters, floating inputs and frozen parameters (and floating buffers with
-``cast_buffers=True``) are cast to the policy's compute dtype, floating outputs
-to its output dtype (`run_in_compute_dtype`). Running statistics (BatchNorm's,
-in train mode) and any cast buffer whose version counter the forward bumped
-are written back into the module, in the module's dtype; inside
-`value_and_grad` in-place buffer updates are refused, as without mixed
-precision. A forward that writes into a *parameter* in place
-(``nn.Embedding(max_norm=...)``) is refused (`refuse_parameter_writes`): the
-write would reach the compute copy only, never the master.
+`run_in_compute_dtype` casts the call's parameters, floating inputs and frozen
+parameters (and floating buffers with ``cast_buffers=True``), writes back the
+buffers the forward updated, and refuses a forward that wrote into a
+parameter in place (`refuse_parameter_writes`): what each of these means for
+the user is in `zfunc.transforms.mixed_precision`'s module doc (``apply``).
 """
 
 from __future__ import annotations
