@@ -135,13 +135,13 @@ def test_eager_steps_do_not_touch_the_trace_slot(dist):
 
 
 def _trace_slot_after_an_eager_step():
-    from zfunc.interpret import _TRACED
+    from zfunc.step_context import TRACED
 
     plain, state = build()
     step = mixed_precision(plain, "bf16")
     state = step.init(state)
     state, _ = step(state, make_batch(8))
-    return _TRACED.context
+    return TRACED.context
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zfunc as zf
 from tests.models import make_batch, tiny_lm_step
 from zfunc.dist import announce
-from zfunc.interpret import Pending
+from zfunc.donation import Pending
 from zfunc.optim import fused
 from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard

@@ -19,11 +19,20 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("version and trace-time context", ("_version", "compiled")),
     ("pytrees", ("tree",)),
     ("functional model: values and checks", ("materialize", "params_check", "data_access", "reparametrize")),
-    ("the interpreter", ("state_check", "donation", "interpret")),
+    # The interpreter, in the order a call flows down through it: the stack and the call (interpret) ->
+    # a primitive through the stack's handlers (primitives) -> the call's context (step_context) -> what
+    # the stack declares (facts), what a state is and what a step reports at its next use.
+    ("the interpreter: facts, states and donation", ("facts", "state_check", "donation")),
+    ("the interpreter: the step context", ("step_context",)),
+    ("the interpreter: primitives and dispatch", ("primitives",)),
+    ("the interpreter: transforms and stacks", ("interpret",)),
     ("autodiff", ("autodiff", "recompute")),
     ("functional model: the call", ("model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist", "mesh")),
     ("state and optimizers", ("optim", "state")),
+    # The parts of a transform that import no transform (a call flows from the transform down into them).
+    ("a transform's parts: mixed precision's policy", ("transforms.mixed_precision_policy",)),
+    ("a transform's parts", ("transforms.loss_scale", "transforms.mixed_precision_cast")),
     ("transforms", ("transforms",)),
     ("planner", ("plan",)),
     ("checkpoints and migration", ("io", "deepspeed", "launch")),
@@ -34,13 +43,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def _layer(module: str) -> int:
-    """The layer index of ``module`` ("zfunc.transforms.shard" -> the transforms' layer)."""
+    """The layer index of ``module`` ("zfunc.transforms.shard" -> the transforms' layer): the layer naming
+    the longest leading part of its name ("transforms.loss_scale" before "transforms")."""
     parts = module.split(".")[1:] or ["__init__"]
     if parts[-1] == "__main__":  # (``python -m zfunc.io``: an entry point wherever it lives)
         parts = ["__main__"]
-    for index, (_, names) in enumerate(LAYERS):
-        if parts[0] in names:
-            return index
+    for depth in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:depth])
+        for index, (_, names) in enumerate(LAYERS):
+            if prefix in names:
+                return index
     raise AssertionError(f"{module} is in no layer: add it to LAYERS (and to ARCHITECTURE.md's table)")
 
 
@@ -93,4 +105,6 @@ def test_the_check_sees_lazy_and_upward_imports(tmp_path):  # (the test above ca
     source.write_text("from zfunc.tree import tree_map\n\ndef f():\n    from zfunc.plan import plan\n")
     assert [(name, lazy) for _, name, lazy in _imports(source, _modules())] == [("zfunc.tree", False),
                                                                                ("zfunc.plan", True)]
-    assert _layer("zfunc.plan") > _layer("zfunc.interpret")
+    assert _layer("zfunc.plan") > _layer("zfunc.interpret") > _layer("zfunc.primitives") > _layer("zfunc.step_context")
+    assert _layer("zfunc.transforms.mixed_precision") > _layer("zfunc.transforms.loss_scale") \
+        > _layer("zfunc.transforms.mixed_precision_policy") > _layer("zfunc.optim.fused")

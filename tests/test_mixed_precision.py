@@ -8,7 +8,8 @@ import zfunc as zf
 from tests.models import TinyLM, lm_loss, make_batch
 from zfunc.interpret import Transform
 from zfunc.transforms.accumulate import accumulate
-from zfunc.transforms.mixed_precision import MixedPrecisionState, Policy, mixed_precision
+from zfunc.transforms.mixed_precision import mixed_precision
+from zfunc.transforms.mixed_precision_policy import MixedPrecisionState, Policy
 
 K = 5
 
@@ -469,7 +470,7 @@ def test_under_shard_all_ranks_skip_together():
 def test_unscale_and_check_matches_division_and_isfinite():
     import importlib
 
-    unscale_and_check_ = importlib.import_module("zfunc.transforms.mixed_precision").unscale_and_check_
+    unscale_and_check_ = importlib.import_module("zfunc.transforms.loss_scale").unscale_and_check_
     torch.manual_seed(0)
     grads = [torch.randn(7, 3), torch.randn(5), torch.zeros(0), torch.randn(4).half().float()]
     scale = torch.tensor(1024.0)

@@ -15,7 +15,7 @@ import torch
 import zfunc as zf
 from tests.models import make_batch
 from tests.shard_cases import build, local_batch, rank_and_world, to_numpy
-from zfunc.interpret import Facts
+from zfunc.facts import Facts
 from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
 

@@ -6,7 +6,8 @@ import torch
 import zfunc as zf
 from tests.models import make_batch
 from tests.shard_cases import build
-from zfunc.interpret import Transform, current
+from zfunc.interpret import Transform
+from zfunc.step_context import current
 from zfunc.transforms import accumulate, offload, shard
 
 

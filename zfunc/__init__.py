@@ -13,8 +13,9 @@ from zfunc import deepspeed, io, optim, tree
 from zfunc._version import VERSION
 from zfunc.autodiff import grad, value_and_grad
 from zfunc.functional import FunctionalModel, ModelCall, functional
-from zfunc.interpret import Transform, gather, init, psum
+from zfunc.interpret import Transform, gather, init
 from zfunc.plan import MemoryPlan, describe, plan
+from zfunc.primitives import psum
 from zfunc.state import TrainState
 from zfunc.transforms.accumulate import accumulate
 from zfunc.transforms.compile_blocks import compile_blocks

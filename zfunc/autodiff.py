@@ -25,7 +25,7 @@ wrote into a parameter in place where the gradient cannot follow (torch's
 error, re-raised naming the parameters and the stack).
 
 After its backward returns, the plain implementation dispatches
-``gradients_ready`` (see `zfunc.interpret`): transforms that started
+``gradients_ready`` (see `zfunc.primitives`): transforms that started
 asynchronous work during backward (`shard`'s reductions) finish it there, so
 the gradients are final when ``value_and_grad`` returns.
 """
@@ -39,7 +39,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import is_fake
 
-from zfunc.interpret import Finding, current, dispatch, gradients_ready, psum
+from zfunc.donation import Finding
+from zfunc.primitives import dispatch, gradients_ready, psum
+from zfunc.step_context import current
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
@@ -96,7 +98,7 @@ def _refuse_nonfinite_loss(loss: torch.Tensor, allow: bool) -> None:
     `value_and_grad`); outside a transformed step, raise now.
 
     Inside a step nothing is read on the host: the count of non-finite losses (summed over ranks) becomes the
-    step's skip flag (`zfunc.interpret.StepContext.skip_update_if`), which the update reads on the device.
+    step's skip flag (`zfunc.step_context.StepContext.skip_update_if`), which the update reads on the device.
     """
     ctx = current()
     if under_torch_func_or_compile() or (ctx is not None and (ctx.facts.loss_scaling != "none" or ctx.facts.pp > 1)):

@@ -9,7 +9,7 @@ call, so the eager step is unchanged):
 
 - the step context: the eager step keeps it in a `contextvars.ContextVar`,
   which dynamo cannot read; the traced step keeps it in a plain object
-  (`zfunc.interpret.current`), written only in the tracer's model of the
+  (`zfunc.step_context.current`), written only in the tracer's model of the
   program;
 - memo caches (a model's parameter slots, a block's names): filled by eager
   calls only. A cache entry stored while tracing would be written for real

@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from zfunc.blocks import find_blocks, select_blocks  # noqa: F401 (re-exported: the blocks' one definition)
-from zfunc.interpret import current, dispatch
 from zfunc.materialize import Init, Materializer
 from zfunc.model_call import (  # noqa: F401 (re-exported)
     BlockBody,
@@ -52,6 +51,8 @@ from zfunc.model_call import (  # noqa: F401 (re-exported)
     run_model_call,
 )
 from zfunc.params_check import check_shapes_and_dtypes, refuse_other_keys
+from zfunc.primitives import dispatch
+from zfunc.step_context import current
 from zfunc.tree import describe_mismatch, register_pytree_node
 
 

@@ -1,76 +1,30 @@
-"""How transforms rewrite a step: primitives, the step context and the transform stack.
+"""The interpreter: a stack of transforms, built once, running a step.
 
 A step is an ordinary function ``(state, batch) -> (state, metrics)`` written
-with zfunc's primitives. Each primitive is a small function that, outside a
-transformed step, runs its plain implementation, and inside one hands the
-call to the stack's handlers, outermost first, each of which may rewrite the
-arguments, call ``next`` (the rest of the stack, ending in the plain
-implementation) and rewrite the result. This is JAX's interpreter idea
-reduced to what zfunc needs (ARCHITECTURE.md walks one call end to end):
+with zfunc's primitives (`zfunc.primitives`); a transform (`Transform`) wraps a
+step and rewrites what some primitives do while it runs. The transforms of a
+step, outermost first, their facts (`zfunc.facts.Facts`: each transform
+declares what it does, from the innermost out) and their handlers of each
+primitive form one `Stack`, built once per stack. A call of the outermost
+transform makes the call's `zfunc.step_context.StepContext`, sets it for the
+primitives to find (`zfunc.step_context.current`), runs the step and returns
+its new state; the state it was given is consumed (`zfunc.donation`).
 
-=====================  =================================================  ==========================
-primitive              what it means                                      dispatched by
-=====================  =================================================  ==========================
-``apply``              run the model on some parameters (`ModelCall`)     `functional`'s apply_fn
-``value_and_grad``     loss and first-order gradients w.r.t. params       `value_and_grad`
-``gradients_ready``    backward has returned: finish what it started      the plain value_and_grad
-``apply_gradients``    one optimizer update of a state                    `TrainState.apply_gradients`
-``update_params``      the optimizer arithmetic on (params, grads, state) the plain apply_gradients
-``psum``               sum a per-shard partial quantity over shards       norms, overflow checks
-``sum_of_squares``     Σ x² of a param-shaped tree, each element counted  `optim.global_norm`
-                       once over the ranks that hold it
-=====================  =================================================  ==========================
+A call flows one way through these modules: `zfunc.interpret` (this: the stack
+and the call) -> `zfunc.primitives` (a primitive through the stack's handlers)
+-> `zfunc.step_context` (the call's scratch and facts) -> `zfunc.facts`,
+`zfunc.donation`.
 
-Why outermost first: ``shard(offload(mixed_precision(step)))`` must partition
-the gradients (shard) before they are moved to the host (offload) and
-unscaled against the fp32 master (mixed_precision); results flow back the
-other way (master -> compute copy -> device -> all-gather).
-
-Two primitives are dispatched from *inside* the plain implementation of
-another, so they reach transforms outer to where the work started:
-
-- ``gradients_ready``: asynchronous gradient reductions that `shard` issues
-  during backward must be finished before anyone reads the gradients, and
-  that is right after the backward pass that produced them returns (once per
-  micro-batch under `accumulate`, once per backward under `checkpoint`'s
-  nested recomputes — not at the end of each nested backward, which would
-  serialize communication with compute). Only the plain implementation knows
-  when its backward returned.
-- ``update_params``: the optimizer runs on whatever tensors reach it after
-  every transform placed them (shards, host copies, the fp32 master); the
-  transforms that own donated buffers declare it (``Facts.fused_update``) and
-  the plain implementation then runs the fused kernel in place.
-
-Values otherwise flow down as arguments and back as return values: e.g.
-`mixed_precision` asks the update for a compute-dtype copy (`UpdateRequest`)
-and gets it back with the new state (`Updated`).
-
-The step context. Everything that lives for one call of a transformed step
-— the handlers' per-call scratch, the facts of the stack — is in one
-`StepContext`, reached through one `contextvars.ContextVar` that is set only
-while a transformed step runs. Transform objects hold their configuration
-only: running one changes nothing in it, and two threads may run steps of
-one stack at once. Work that autograd runs later on its own threads
-(backward of CUDA ops) must not look the context up: it captures what it
-needs when the forward builds it.
-
-Facts about the stack are computed once, when the stack is built: each
-transform declares what it does (`Transform.declare`), from the innermost
-out, into one frozen `Facts`; no transform looks another up by name or type.
-
-What a step finds on the device (a NaN loss) skips its update there
-(`StepContext.skip_update_if`) and is reported at the next use of the state
-the step returned; that, and donation (a step consumes the state it is
-given), is `zfunc.donation`, whose names this module re-exports.
+Transform authors find the interpreter's names here (`Transform`, `Facts`,
+`current`, the primitives, `UpdateRequest`/`Updated`, donation's `Finding` and
+`check_alive`): this module re-exports them from where each lives.
 """
 
 from __future__ import annotations
 
-import contextvars
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
@@ -84,64 +38,20 @@ from zfunc.donation import (  # noqa: F401 (re-exported: the interpreter's names
     defer_findings,
     forget_copies,
 )
+from zfunc.facts import Facts
 from zfunc.materialize import is_meta, materialized
+from zfunc.primitives import (  # noqa: F401 (re-exported, see the module doc)
+    PRIMITIVES,
+    Updated,
+    UpdateRequest,
+    dispatch,
+    gradients_ready,
+    psum,
+    sum_of_squares,
+)
 from zfunc.state_check import require_state
-from zfunc.tree import tree_leaves, tree_sum_of_squares
-
-PRIMITIVES = ("apply", "value_and_grad", "gradients_ready", "apply_gradients", "update_params", "psum",
-              "sum_of_squares")
-
-Tier = Literal["device", "host", "nvme"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Facts:
-    """What a stack of transforms does, as its transforms declare it (see `Transform.declare`).
-
-    Attributes:
-      compute_dtype: the dtype the model computes in (`mixed_precision`; None: the params' own).
-      master_dtype: the dtype of the master parameters the optimizer updates (None: the params').
-      reduce_dtype: the dtype gradients are reduced in across ranks (None: the gradients' own).
-      loss_scaling: "none", "static" or "dynamic" (fp16 `mixed_precision`).
-      stage: the ZeRO stage of `shard` (0 without shard).
-      optimizer_tier: where the optimizer state and its update live ("device", "host", "nvme"): the
-        tier holding most of it.
-      optimizer_split: the shares (device, host, nvme) of the optimizer state (master and moments),
-        placed unit by unit (`shard` places them; the update runs where each unit lives).
-      nvme_dir: the directory of the NVMe tier's files.
-      params_tier: where parameter shards live between their uses (stage 3).
-      fused_update: whether the optimizer may run as a fused in-place kernel (the stack owns the
-        state's buffers, which the step consumes); False keeps the pure pytree update.
-      micro_batches: forward/backward passes per update (`accumulate`).
-      accumulates: whether `accumulate` sums the gradients in its own accumulator.
-      accumulate_dtype: the dtype `accumulate` was asked to sum in (None: fp32 under a narrower compute
-        dtype, else the compute dtype; `zfunc.transforms.grad_accumulator.accumulation_dtype`).
-      recompute: whether the model's blocks are recomputed in backward (`checkpoint`, or stage 3
-        with ``reshard="recompute"``): activations of one block, not of all.
-      pp: the pipeline-parallel degree (`pipeline`): each rank holds the parameters of its stages only, and
-        the loss exists on the last stage (which is why `pipeline` checks it for NaN itself).
-      tp: the tensor-parallel degree (`tensor_parallel`): sharded parameters hold 1/tp of their elements.
-    """
-
-    compute_dtype: torch.dtype | None = None
-    master_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    loss_scaling: Literal["none", "static", "dynamic"] = "none"
-    stage: int = 0
-    optimizer_tier: Tier = "device"
-    optimizer_split: tuple[float, float, float] = (1.0, 0.0, 0.0)
-    nvme_dir: str | None = None
-    params_tier: Tier = "device"
-    fused_update: bool | None = None  # None: nobody declared; the pure update
-    micro_batches: int = 1
-    accumulates: bool = False
-    accumulate_dtype: torch.dtype | None = None
-    recompute: bool = False
-    pp: int = 1
-    tp: int = 1
-
-    def replace(self, **changes: Any) -> Facts:
-        return dataclasses.replace(self, **changes)
+from zfunc.step_context import CONTEXT, TRACED, StepContext, current
+from zfunc.tree import tree_leaves
 
 
 class Stack:
@@ -167,156 +77,6 @@ class Stack:
         return id(transform) in self._ids
 
 
-class StepContext:
-    """Everything that lives for one call of a transformed step (see the module docstring).
-
-    ``scratch`` holds each transform's per-call object (`Transform.start`),
-    keyed by the transform; ``state_consumed`` is set once a handler starts
-    writing into the state's buffers (the input state is dead from then on,
-    even if the step later fails).
-    """
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.facts = stack.facts
-        self.scratch: dict[int, Any] = {}
-        self.state_consumed = False
-        # Whether this step's update is skipped (a 0-d bool on the device; None: it is not), and why: what a
-        # step found on the device (a NaN loss, fp16 overflow at the minimum scale) without reading it on the
-        # host. The update reads ``skip`` on the device; the findings are raised at the next use of the state.
-        self.skip: torch.Tensor | None = None
-        self.findings: list[Finding] = []
-        # Where gradients are summed across micro-batches, if anywhere (`accumulate`'s accumulator): `shard`
-        # adds each unit's reduced gradient into it as soon as the reduction lands, then frees the unit's.
-        self.grad_sink: Any = None
-        # Set by a transform that runs forward and backward itself (`pipeline`: torch's schedule): the plain
-        # value_and_grad hands it the loss function as the transforms inside rewrote it, and returns its result.
-        self.differentiate: Callable | None = None
-
-    def skip_update_if(self, flag: torch.Tensor, finding: Finding | None = None) -> None:
-        """Skip this step's update where ``flag`` (0-d, on the device) is nonzero, without a host read; with
-        ``finding``, an error to raise at the next use of the state the step returns (see `Finding`)."""
-        flag = flag.detach() != 0
-        self.skip = flag if self.skip is None else self.skip | flag
-        if finding is not None:
-            self.findings.append(finding)
-
-    def of(self, transform: Transform) -> Any:
-        """``transform``'s per-call scratch."""
-        try:
-            return self.scratch[id(transform)]
-        except KeyError:
-            raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
-
-
-_CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
-
-
-class _Traced:
-    """The context of the transformed step that `torch.compile` is tracing (see `current`).
-
-    Dynamo cannot trace `ContextVar.get`, but it does trace reads and writes
-    of a plain object's attribute, symbolically: while it traces a step, the
-    traced ``__call__`` stores its context here in the tracer's model of the
-    program only, and the compiled code's one runtime effect on this object
-    is to write back the value it already holds (None). Tracing is
-    serialized by dynamo's compile lock, so two threads never see each
-    other's context here, and eager steps never touch it.
-    """
-
-    def __init__(self) -> None:
-        self.context: StepContext | None = None
-
-
-_TRACED = _Traced()
-
-
-def current() -> StepContext | None:
-    """The context of the transformed step running now on this thread, if any (while torch.compile
-    traces a step: the traced step's)."""
-    if torch.compiler.is_dynamo_compiling():
-        return _TRACED.context
-    return _CONTEXT.get()
-
-
-def dispatch(primitive: str, plain: Callable, *args: Any) -> Any:
-    """Run ``primitive`` through the running stack's handlers, outermost first.
-
-    Each handler is called as ``handler(next, *args)``; ``next(*args)``
-    continues with the next handler, and after the innermost with
-    ``plain(*args)``.
-    """
-    ctx = current()
-    if ctx is None:
-        return plain(*args)
-    handlers = ctx.stack.handlers[primitive]
-    if not handlers:
-        return plain(*args)
-
-    def call(index: int, *call_args: Any) -> Any:
-        if index == len(handlers):
-            return plain(*call_args)
-        return handlers[index](lambda *a: call(index + 1, *a), *call_args)
-
-    return call(0, *args)
-
-
-def psum(x: torch.Tensor) -> torch.Tensor:
-    """Σ over data-parallel shards of a per-shard partial quantity.
-
-    Under `shard` every rank holds a slice of each parameter, gradient and
-    optimizer state, so a sum over their elements (a squared norm, a count of
-    non-finite values) is partial; ``psum`` adds the partial sums of all ranks.
-    Without `shard` it returns ``x`` unchanged. Use it only for sums over
-    parameter-shaped data, never for replicated values (those would be counted
-    N times).
-    """
-    return dispatch("psum", _identity, x)
-
-
-def _identity(x):
-    return x
-
-
-def sum_of_squares(tree: Any) -> torch.Tensor:
-    """Σ x² over the elements of ``tree`` (param-shaped: a dict keyed like the params, or any pytree) that
-    this rank should count, as float32 (``psum`` of it is the global squared norm).
-
-    Without transforms every element counts. Under `tensor_parallel` a parameter replicated over the
-    tp ranks (a norm's weight, a row-parallel bias) is counted on one of them only, so that ``psum``
-    over tp adds each element once.
-    """
-    return dispatch("sum_of_squares", tree_sum_of_squares, tree)
-
-
-def gradients_ready(grads: Any) -> Any:
-    """Tell the stack that a backward pass returned ``grads`` (see the module docstring)."""
-    return dispatch("gradients_ready", _identity, grads)
-
-
-class UpdateRequest(NamedTuple):
-    """What the caller of an update wants back besides the new state.
-
-    ``compute_dtype``: also return the new parameters cast to this dtype (the
-    compute copy of `mixed_precision`); ``compute_into``: tensors, keyed like
-    the params, that the copy should be written into when the update can
-    (a fused kernel writes it in the same pass); ``host_threads``: threads
-    for a host kernel (`offload`'s share of the cores).
-    """
-
-    compute_dtype: torch.dtype | None = None
-    compute_into: dict | None = None
-    host_threads: int | None = None
-
-
-class Updated(NamedTuple):
-    """The result of the ``apply_gradients`` primitive: the new state and, if an `UpdateRequest`
-    asked for one, the compute copy of its parameters (else None)."""
-
-    state: Any
-    compute_copy: dict | None = None
-
-
 # --------------------------------------------------------------------------
 # The protocol every transform follows.
 
@@ -337,7 +97,7 @@ class Transform:
     Subclasses set ``name`` and ``level`` and override what they need:
     ``declare`` (the facts they add), ``start`` (their per-call scratch),
     ``run`` (around the inner step), ``init_state``, ``gather_params`` and any
-    primitive handler (a method named after the primitive, see the module doc).
+    primitive handler (a method named after the primitive, see `zfunc.primitives`).
     A transform object holds only its configuration: nothing may be stored on
     it while a step runs (use the scratch).
 
@@ -376,12 +136,12 @@ class Transform:
     def __call__(self, state, batch):
         if torch.compiler.is_dynamo_compiling():
             return self._traced_call(state, batch)
-        ctx = _CONTEXT.get()
+        ctx = CONTEXT.get()
         if ctx is not None and self in ctx.stack:  # called by the transform around it
             return self._run(ctx, state, batch)
         require_state(state, f"{self.name}(...)")  # (a pair from zf.io.restore, params, a model: said first)
         ctx = StepContext(self.stack)
-        token = _CONTEXT.set(ctx)
+        token = CONTEXT.set(ctx)
         try:
             check_alive(state, f"{self.name}(...)")
             check_copies(state, self)
@@ -399,19 +159,19 @@ class Transform:
                     defer_findings(out[0], Pending(ctx.findings, state.step))
             return out
         finally:
-            _CONTEXT.reset(token)
+            CONTEXT.reset(token)
 
     def _traced_call(self, state, batch):
-        """``__call__`` while torch.compile traces it: the same steps, the context kept in `_TRACED`
+        """``__call__`` while torch.compile traces it: the same steps, the context kept in `TRACED`
         (which dynamo can trace) instead of the ContextVar (which it cannot)."""
-        ctx = _TRACED.context
+        ctx = TRACED.context
         if ctx is not None and self in ctx.stack:
             return self._run(ctx, state, batch)
         require_state(state, f"{self.name}(...)")
         # A fresh Stack, not the cached ``self.stack``: filling that cache while tracing would be replayed
         # when the compiled step runs, and change what the next call's guards saw (`zfunc.compiled`).
         ctx = StepContext(Stack(self))
-        outer, _TRACED.context = _TRACED.context, ctx
+        outer, TRACED.context = TRACED.context, ctx
         try:
             out = self._run(ctx, state, batch)
             if not (isinstance(out, tuple) and out and out[0] is state):
@@ -419,7 +179,7 @@ class Transform:
                 consume(state, f"{self.name}(...)")
             return out
         finally:
-            _TRACED.context = outer
+            TRACED.context = outer
 
     def _run(self, ctx: StepContext, state, batch):
         check_alive(state, f"{self.name}(...)")

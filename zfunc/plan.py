@@ -11,7 +11,7 @@ placement that fits (`MemoryPlan.offload_kwargs`).
 What is counted, and how (Ψ parameters, N ranks; sizes from the shard layout,
 padding included):
 
-- model state, exactly, from the stack's declared facts (`zfunc.interpret.Facts`)
+- model state, exactly, from the stack's declared facts (`zfunc.facts.Facts`)
   and the shard layout: parameters in the compute dtype (stage 3: this rank's
   shards), gradients kept for the update (stages 2 and 3: shards of the reduce
   dtype; stages 0 and 1: the full gradient; under `accumulate`, its accumulator
@@ -50,7 +50,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfunc.blocks import find_blocks
-from zfunc.interpret import Facts, Transform, transforms_of
+from zfunc.facts import Facts
+from zfunc.interpret import Transform, transforms_of
 from zfunc.optim.streamed import CHUNK
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.accumulate import split_micro_batches
@@ -515,7 +516,7 @@ def _fake_constants(model, fake, device, dtype) -> list:
 def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
     """``loss_fn`` run under a `checkpoint` transform of the model's blocks (zfunc's recompute, which hands a
     block its parameters as inputs, so the recompute in backward still sees them)."""
-    from zfunc.interpret import _CONTEXT, StepContext
+    from zfunc.step_context import CONTEXT, StepContext
     from zfunc.transforms.checkpoint import checkpoint
 
     stack = checkpoint(lambda state, batch: (state, {}), modules=list(blocks))
@@ -523,11 +524,11 @@ def _with_recompute(loss_fn: Callable, blocks: list[str]) -> Callable:
     def wrapped(params, batch):
         ctx = StepContext(stack.stack)
         ctx.scratch[id(stack)] = stack.start(ctx, None)
-        token = _CONTEXT.set(ctx)
+        token = CONTEXT.set(ctx)
         try:
             return loss_fn(params, batch)
         finally:
-            _CONTEXT.reset(token)
+            CONTEXT.reset(token)
 
     return wrapped
 

@@ -22,7 +22,7 @@ part of the tree structure, not leaves.
 
 Donation: a transformed step consumes the state it is given (it updates its
 buffers in place, as JAX's ``donate_argnums`` allows); that state is dead
-afterwards, and using it again through zfunc raises (`zfunc.interpret.Donation`).
+afterwards, and using it again through zfunc raises (`zfunc.donation.Donation`).
 The plain, untransformed step is pure and consumes nothing.
 """
 
@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from zfunc.compiled import tracing
-from zfunc.interpret import Donation, UpdateRequest, Updated, check_laid_out_by, current, dispatch
+from zfunc.donation import Donation, check_laid_out_by
+from zfunc.primitives import UpdateRequest, Updated, dispatch
+from zfunc.step_context import current
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.fused import fused_update
 from zfunc.tree import describe_mismatch, register_pytree_node, tree_map, tree_structure
@@ -115,7 +117,7 @@ class TrainState:
 def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], request: UpdateRequest) -> Updated:
     """The ``apply_gradients`` primitive's plain implementation: the optimizer on ``state.params``.
 
-    A step whose update is skipped on the device (`zfunc.interpret.StepContext.skip`: a NaN loss) keeps the
+    A step whose update is skipped on the device (`zfunc.step_context.StepContext.skip`: a NaN loss) keeps the
     parameters, the optimizer state and the step count (``step + ~skip``), without a host read.
     """
     ctx = current()

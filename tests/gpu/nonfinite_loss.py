@@ -3,7 +3,7 @@
 Run: ``torchrun --nproc-per-node N tests/gpu/nonfinite_loss.py`` (N = 1 or 2). Prints ``ok`` per stack
 and exits non-zero on a failure. CPU tests cover the same semantics (tests/test_adversarial_nonfinite.py);
 this covers the GPU route, where the count of non-finite losses is the update kernel's skip flag and
-reaches the host behind a CUDA event, read at the next call (`zfunc.interpret.Pending`).
+reaches the host behind a CUDA event, read at the next call (`zfunc.donation.Pending`).
 """
 
 from __future__ import annotations

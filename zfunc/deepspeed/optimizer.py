@@ -255,7 +255,7 @@ def deepspeed_lamb(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps
     It differs from `zf.optim.lamb` (You et al.): the moments in ``u`` are
     not bias-corrected (the correction multiplies the step instead, so
     ``eps`` and the weight decay weigh differently), and the trust ratio is
-    clamped. Norms are over whole parameters (`zfunc.interpret.psum` over
+    clamped. Norms are over whole parameters (`zfunc.primitives.psum` over
     shards). State: ``(ScaleByAdamState, ScaleByLearningRateState)``.
     """
     for name, value in (("b1", b1), ("b2", b2)):
@@ -285,7 +285,7 @@ def _deepspeed_lamb_direction(b1, b2, eps, weight_decay, bias_correction, eps_in
         return ScaleByAdamState(count, tree_zeros_like(params), tree_zeros_like(params))
 
     def update(updates: PyTree, state: ScaleByAdamState, params: PyTree = None):
-        from zfunc.interpret import psum  # noqa: PLC0415 (interpret imports optim; see scale_by_trust_ratio)
+        from zfunc.primitives import psum  # noqa: PLC0415 (interpret imports optim; see scale_by_trust_ratio)
 
         if params is None:
             raise ValueError("deepspeed_lamb needs params: call tx.update(updates, state, params)")

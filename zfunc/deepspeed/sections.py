@@ -195,7 +195,7 @@ def _report_loss_scale(fp16: Section, kwargs: dict[str, Any], zero_stage: int) -
 
 
 def _policy(compute: str, reduce: str):
-    from zfunc.transforms.mixed_precision import Policy  # noqa: PLC0415
+    from zfunc.transforms.mixed_precision_policy import Policy  # noqa: PLC0415
 
     return Policy("fp32", compute, "fp32", reduce)
 

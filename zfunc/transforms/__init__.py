@@ -7,7 +7,8 @@ Stack them as ``shard(offload(tensor_parallel(compute(step))))``, where compute 
 from zfunc.transforms.accumulate import accumulate
 from zfunc.transforms.checkpoint import checkpoint
 from zfunc.transforms.compile_blocks import compile_blocks
-from zfunc.transforms.mixed_precision import Policy, mixed_precision
+from zfunc.transforms.mixed_precision import mixed_precision
+from zfunc.transforms.mixed_precision_policy import Policy
 from zfunc.transforms.offload import offload
 from zfunc.transforms.pipeline import pipeline
 from zfunc.transforms.shard import shard

@@ -26,7 +26,9 @@ from typing import Any, Callable
 import torch
 
 from zfunc.compiled import tracing
-from zfunc.interpret import Facts, Transform, current
+from zfunc.facts import Facts
+from zfunc.interpret import Transform
+from zfunc.step_context import current
 from zfunc.transforms.grad_accumulator import (
     FLOAT_DTYPES,
     GradAccumulator,

@@ -74,7 +74,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.blocks import select_blocks
-from zfunc.interpret import Facts, Transform
+from zfunc.facts import Facts
+from zfunc.interpret import Transform
 from zfunc.recompute import host_copy, kept_for_backward, recompute, refuse_running_statistics
 from zfunc.tree import tree_leaves
 

@@ -23,7 +23,7 @@ Composes inside `shard` (``shard(offload(step), stage=...)``): each rank's
 shard of the optimizer state lives on its host. Must not wrap `shard`.
 
 The host kernel's thread count is passed into the kernel call
-(`zfunc.interpret.UpdateRequest.host_threads`); nothing process-wide changes.
+(`zfunc.primitives.UpdateRequest.host_threads`); nothing process-wide changes.
 
 What was tried and dropped: updating each unit on the host while backward
 still runs (an exact, speculative "update ahead", taken only when the step
@@ -42,8 +42,11 @@ from typing import Any, Callable, Literal, NamedTuple
 import torch
 
 from zfunc.compiled import tracing
-from zfunc.interpret import Facts, Transform, Updated, current
+from zfunc.facts import Facts
+from zfunc.interpret import Transform
 from zfunc.optim.fused import contiguous_runs, span_of
+from zfunc.primitives import Updated
+from zfunc.step_context import current
 from zfunc.transforms.grad_accumulator import GradAccumulator, keyed_grads, kept_host_buffers, optimizer_devices
 from zfunc.tree import tree_map_tensors
 

@@ -77,7 +77,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from zfunc import dist
-from zfunc.interpret import Facts, Transform
+from zfunc.facts import Facts
+from zfunc.interpret import Transform
 from zfunc.mesh import describe_mesh, mesh_dim
 from zfunc.transforms.shard_layout import map_param_shaped
 from zfunc.transforms.tp_plans import ParamSplit, TPPlan, prepare
