@@ -270,9 +270,11 @@ class pipeline(Transform):  # noqa: N801
         m = self.micro_batches
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % m):
+                k = current().facts.micro_batches  # (an `accumulate` inside: each of its k slices is split again)
+                inside = f" (one of accumulate's {k} slices of the batch)" if k > 1 else ""
                 raise ValueError(
                     f"pipeline(micro_batches={m}) splits every batch tensor along dim 0 into {m} equal micro-batches, "
-                    f"but got one of shape {tuple(leaf.shape)}; make the batch size a multiple of {m}")
+                    f"but got one of shape {tuple(leaf.shape)}{inside}; make the batch size a multiple of {k * m}")
         micro = split_micro_batches((args, kwargs), m) if m > 1 else [(args, kwargs)]
         run = Run(fn, micro, has_aux, call.counters)
         lent = self._lend(layout, group, params, call.counters)

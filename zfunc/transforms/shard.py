@@ -179,6 +179,13 @@ class shard(Transform):  # noqa: N801
         return facts.replace(stage=self.stage, fused_update=True if facts.fused_update is None else facts.fused_update,
                              recompute=facts.recompute or (self.stage == 3 and self.reshard == "recompute"))
 
+    def check(self, facts: Facts) -> None:
+        if facts.pp > 1 and self.stage == 3 and self.reshard == "recompute":
+            raise ValueError("shard(stage=3, reshard='recompute') around pipeline: a pipeline stage's units stay "
+                             "gathered for the whole schedule (zfunc.transforms.shard_pipelined), so there is nothing "
+                             "to re-gather or recompute; use reshard='release', and checkpoint(...) inside the "
+                             "pipeline to recompute the blocks' activations")
+
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group, self.timeout)
 
