@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.test_pipeline import STEPS, UnevenMLP, assert_equivalent, build, pipelined, plain
+from tests.test_pipeline import STEPS, UnevenMLP, assert_equivalent, build, hf_config, pipelined, plain
 from zfunc.mesh import make_mesh
 from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, pipeline, shard
@@ -248,6 +248,14 @@ def bad_compositions() -> dict:
         stacked(stacked.init(build("tiny")[1]), batch_of(0))  # 8 rows: accumulate's 4 do not split in 3
     except ValueError as err:
         out["batch"] = str(err)
+    # (here for the cost of one world of 4: the plan of stages 2 and 3 around a pipeline)
+    _, params = zf.functional(hf_config("gpt2")[0](hf_config("gpt2")[1]))
+    step = build("gpt2")[0]
+    for stage in (2, 3):
+        stacked = shard(pipeline(step, micro_batches=2, mesh=mesh), stage=stage, mesh=mesh)
+        p = zf.plan(stacked, lambda p, b: None, batch_of(0), params, measure=False, pp_rank=1, baseline=0)
+        out[f"plan{stage}"] = (p.parameters, p.tiers["gpu"].params, p.tiers["gpu"].buffers)
+    out["wte"] = params["transformer.wte.weight"].numel()
     return out
 
 
@@ -257,3 +265,10 @@ def test_what_cannot_work_is_refused_clearly():
         assert out["six"] == "ran"
         assert "one of accumulate's 2 slices of the batch" in out["batch"]
         assert "make the batch size a multiple of 6" in out["batch"]
+        # The last stage's parameters (psi, fp32): stage 2 keeps them whole; stage 3 keeps half (dp2) between
+        # steps and holds them whole, with their full gradient, during the schedule; both borrow wte.
+        psi, params2, buffers2 = out["plan2"]
+        assert out["plan3"][0] == psi
+        assert params2 >= psi * 4 and out["plan3"][1] == pytest.approx(psi * 4 / 2, rel=0.01)
+        assert buffers2 >= psi * 4 + 2 * out["wte"] * 4
+        assert out["plan3"][2] >= params2 + buffers2

@@ -62,18 +62,29 @@ class StageUnits:
     def reduce(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``grads`` (the stage's full gradients, summed over the micro-batches) reduce-scattered unit by unit:
         this rank's 1-D shards, keyed like ``grads``; under `accumulate` added into its accumulator instead
-        (the keys then hold zeros that take no memory: the accumulator hands the sum to the update)."""
+        (the keys then hold zeros that take no memory: the accumulator hands the sum to the update).
+
+        One unit's reduction is in flight while the next unit's gradient is packed into its flat buffer, so at
+        most two units' packed gradients exist at once."""
         ctx = current()
         sink = ctx.grad_sink if ctx is not None else None
         dtype = self.comm.reduce_dtype if sink is not None else None
-        issued = [(unit, self.comm.reduce_scatter(unit.pack_full(grads), unit.name, dtype=dtype))
-                  for unit in self.layout.units]
-        self.comm.finish_pending()
         out: dict[str, torch.Tensor] = {}
-        for unit, shard in issued:
-            if sink is not None:
-                sink.add_unit(unit, self.rank, shard)
-                like = grads[unit.keys[0]]
-                shard = torch.zeros((), dtype=like.dtype, device=like.device).expand(unit.shard_size)
-            out.update(unit.shard_views(shard, self.rank))
+        in_flight: list = []
+
+        def land() -> None:
+            self.comm.finish_pending()
+            for unit, shard in in_flight:
+                if sink is not None:
+                    sink.add_unit(unit, self.rank, shard)
+                    like = grads[unit.keys[0]]
+                    shard = torch.zeros((), dtype=like.dtype, device=like.device).expand(unit.shard_size)
+                out.update(unit.shard_views(shard, self.rank))
+            in_flight.clear()
+
+        for unit in self.layout.units:  # in unit order on every dp rank
+            packed = unit.pack_full(grads)
+            land()
+            in_flight.append((unit, self.comm.reduce_scatter(packed, unit.name, dtype=dtype)))
+        land()
         return {k: out[k] for k in grads}
