@@ -34,8 +34,9 @@ def pipelined_sharded(model: str, stage: int, opt: str = "clip", micro_batches: 
         comm.append(int(metrics["comm_elements"]))
     full = stacked.gather(state)
     shapes = {k: tuple(v.shape) for k, v in state.params.items()}
+    padded = sum(u.padded for u in state.extras["shard"].units)  # the stage's parameters, padded over dp
     return {"params": {k: v.numpy().copy() for k, v in full.items()}, "losses": losses, "shapes": shapes,
-            "comm": comm}
+            "comm": comm, "padded": padded}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +60,8 @@ def test_shard_stage_2_and_3_around_pp2_x_dp2_equal_the_plain_step(model, stage,
     # and 2 are the dp pair of pipeline rank 0: the mesh is (dp, pp).)
     np.testing.assert_allclose(np.mean([outs[0]["losses"], outs[2]["losses"]], axis=0), reference(model)["losses"],
                                rtol=1e-5)
+    for out in outs:  # per step 2 Ψ_s over dp (stage 2: reduce + all-gather; 3: all-gather + reduce), + psums
+        assert all(2 * out["padded"] <= c <= 2 * out["padded"] + 8 for c in out["comm"]), (out["comm"], out["padded"])
     if stage == 3:  # between steps each rank holds its 1-D shards only
         assert all(len(s) == 1 for s in outs[0]["shapes"].values())
     else:
@@ -210,7 +213,7 @@ def two_threads() -> dict:
             raise parallel[key]
     layouts = [parallel["a_state"].extras["pipeline"], parallel["b_state"].extras["pipeline"]]
     copied = __import__("copy").deepcopy(parallel["a_state"])
-    stepped, _ = stacked(copied, batch_of(20))  # a copy of a state builds its own schedules at its first step
+    stacked(copied, batch_of(20))  # a copy of a state builds its own schedules at its first step
     return {"serial": {k: serial[k] for k in "ab"}, "parallel": {k: parallel[k] for k in "ab"},
             "caches": [id(vars(layout)["_built_schedules"]) if "_built_schedules" in vars(layout) else None
                        for layout in layouts],

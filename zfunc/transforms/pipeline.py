@@ -43,13 +43,19 @@ schedule runs them (``StepContext.differentiate``); ``apply`` skips the other st
 stage's forward (``ModelCall.intercept``); ``psum`` adds over the pp ranks; `step.gather` broadcasts each
 parameter from its stage (``complete_gather``). The update is the inner stack's, on the stage's state.
 
-Composition: ``shard(pipeline(tensor_parallel(checkpoint(mixed_precision(step)))), stage=1, mesh=mesh)``
+Composition: ``shard(pipeline(tensor_parallel(checkpoint(mixed_precision(step)))), stage=1|2|3, mesh=mesh)``
 on a ``make_mesh(dp=, pp=, tp=)`` mesh: pipeline uses ``mesh["pp"]``, shard ``mesh["dp"]``,
-tensor_parallel ``mesh["tp"]``. shard's stages 2 and 3 reduce gradients inside each backward pass, which
-the schedule runs per micro-batch: they are refused under pipeline for now (stage 1, DeepSpeed's choice
-with pipelines, composes). fp16 loss scaling and `accumulate` inside are refused (use bf16 and
-``micro_batches``). `zfunc.io` checkpoints record which rank holds each parameter (restored by name into
-any layout); with shard or tensor_parallel besides, they are refused for now.
+tensor_parallel ``mesh["tp"]``. Around a pipeline, shard's stages 2 and 3 keep the stage's units whole for
+the schedule and reduce each unit's gradient, summed over the micro-batches, once after it
+(`zfunc.transforms.shard_pipelined`), through the ``gradients_ready`` this transform dispatches. fp16 loss
+scaling inside: the schedule differentiates the scaled loss, the step's loss is the broadcast mean
+unscaled, the overflow check is ``psum``med over pp too (so every stage skips together, on the device).
+`accumulate` inside: its k gradient calls each run one schedule (``StepContext.differentiate`` stays set
+for the step's gradient calls). `zfunc.io` checkpoints record which rank holds each parameter (restored by
+name into any layout); with shard or tensor_parallel besides, they are refused for now.
+
+torch's built stages and schedule are structure built once per state and batch shape, kept with the
+state's layout (`pipeline_stage.Schedules`), not on this transform, which holds configuration only.
 """
 
 from __future__ import annotations
