@@ -18,12 +18,14 @@ from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, pipeline, shard
 
 
-def pipelined_sharded(model: str, stage: int, opt: str = "clip", micro_batches: int = 2, wrap=None) -> dict:
+def pipelined_sharded(model: str, stage: int, opt: str = "clip", micro_batches: int = 2, wrap=None,
+                      schedule: str = "1F1B") -> dict:
     """pp2 x dp2 under shard(stage): each dp rank gets its half of the batch."""
     step, state, batch_of = build(model, opt)
     mesh = make_mesh(dp=2, pp=2)
     inner = wrap(step) if wrap is not None else step
-    stacked = shard(pipeline(inner, micro_batches=micro_batches, mesh=mesh), stage=stage, mesh=mesh)
+    stacked = shard(pipeline(inner, schedule=schedule, micro_batches=micro_batches, mesh=mesh), stage=stage,
+                    mesh=mesh)
     state = stacked.init(state)
     dp_rank = mesh["dp"].get_local_rank()
     losses, comm = [], []
@@ -73,6 +75,25 @@ def test_shard_stage_3_around_pipeline_with_frozen_params_and_checkpoint(referen
     wrap = lambda step: checkpoint(mixed_precision(step, "fp32"))  # noqa: E731
     outs = run_distributed(pipelined_sharded, 4, "uneven", 3, "clip", 2, wrap)
     assert_equivalent(outs, reference("uneven"), dp=2)
+
+
+@pytest.mark.parametrize(("schedule", "stage"), [("interleaved", 3), ("zero_bubble", 2)])
+def test_shard_around_two_stages_per_rank(schedule, stage, reference):
+    # Two pipeline stages per rank: shard's units span both (gathered and reduced together, once per schedule);
+    # zero bubble computes the weights' gradients apart from the inputs'.
+    outs = run_distributed(pipelined_sharded, 4, "tiny", stage, "clip", 4, None, schedule)
+    assert_equivalent(outs, reference("tiny", "clip", 8), dp=2)
+
+
+def test_bf16_under_stage_3_around_pipeline_is_stage_1_bit_for_bit():
+    # mixed_precision("bf16") inside (the fp32 master partitioned over dp, the bf16 compute copy gathered for
+    # the schedule): the same gradients, reduced in the same dtype, as stage 1 (tested against the plain step).
+    wrap = lambda step: mixed_precision(step, "bf16")  # noqa: E731
+    one = run_distributed(pipelined_sharded, 4, "tiny", 1, "clip", 2, wrap)
+    three = run_distributed(pipelined_sharded, 4, "tiny", 3, "clip", 2, wrap)
+    for a, b in zip(one, three):
+        for key, want in a["params"].items():
+            np.testing.assert_array_equal(b["params"][key], want, err_msg=key)
 
 
 # -- accumulate inside pipeline ---------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ the last differs by stage and schedule. Here, instead, for one ``value_and_grad`
   rank (all issued asynchronously, then waited for), so each dp rank keeps its shard, as at stage 2 and 3
   without pipeline. Under an `accumulate` inside the pipeline, each schedule's reduced shards are added into
   its accumulator (`GradAccumulator.add_unit`), on the tier of the unit's optimizer state, and no full-size
-  gradient outlives a schedule.
+  gradient outlives a schedule. Not overlapped with this rank's compute, but a stage ends its last backward
+  before the stage ahead of it does (1F1B: the last stage first), so its reductions run while earlier stages
+  still compute; the first stage's are the exposed ones.
 
 Pairing across dp ranks: the dp ranks of one pipeline stage run the same schedule on their own data, and here
 make the same collectives, in the same order, outside the schedule (before: gathers; after: reductions),
