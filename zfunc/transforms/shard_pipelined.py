@@ -25,6 +25,9 @@ the last differs by stage and schedule. Here, instead, for one ``value_and_grad`
   before the stage ahead of it does (1F1B: the last stage first), so its reductions run while earlier stages
   still compute; the first stage's are the exposed ones.
 
+So at the step's peak a rank holds the stage's parameters and gradient whole, as at stage 1: stage 2 here is
+stage 1's memory and communication, and stage 3 saves parameter memory between steps only (docs/pipeline.md).
+
 Pairing across dp ranks: the dp ranks of one pipeline stage run the same schedule on their own data, and here
 make the same collectives, in the same order, outside the schedule (before: gathers; after: reductions),
 whatever the schedule interleaves; the schedule's own point-to-point transfers run on the pp group.
