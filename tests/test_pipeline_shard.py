@@ -296,3 +296,33 @@ def test_what_cannot_work_is_refused_clearly():
         assert params2 >= psi * 4 and out["plan3"][1] == pytest.approx(psi * 4 / 2, rel=0.01)
         assert buffers2 >= psi * 4 + 2 * out["wte"] * 4
         assert out["plan3"][2] >= params2 + buffers2
+
+
+# -- no host reads --------------------------------------------------------------------------------------------------
+def steady_state_reads() -> dict:
+    from tests.test_host_reads import HostReads
+
+    mesh = make_mesh(dp=2, pp=2)
+    step, state, batch_of = build("tiny", "clip")
+    step = shard(pipeline(mixed_precision(step, "fp16"), micro_batches=2, mesh=mesh), stage=3, mesh=mesh)
+    state = step.init(state)
+    rank = mesh["dp"].get_local_rank()
+    recorder = HostReads()
+    for i in range(4):  # two steps to warm up (torch's shape inference), two counted
+        batch = {k: v.chunk(2)[rank] for k, v in batch_of(i).items()}
+        if i < 2:
+            state, _ = step(state, batch)
+            continue
+        with recorder:
+            state, _ = step(state, batch)
+    return dict(recorder.reads)
+
+
+def test_fp16_under_stage_3_around_pipeline_reads_nothing_on_the_host():
+    # The fp16 loss comes back unscaled from the broadcast loss (no aux: that is a pickled broadcast, a host read);
+    # the overflow check and the skip stay on the device; shard's gathers and reductions read nothing. Left out:
+    # the stage module reading the micro-batch's index, a CPU tensor the schedule hands it (no device sync).
+    for rank, reads in enumerate(run_distributed(steady_state_reads, 4)):
+        device = {r: n for r, n in reads.items() if not r.startswith("_local_scalar_dense at transforms/"
+                                                                      "pipeline_stage.py")}
+        assert not device, f"rank {rank}: host reads in steady-state steps: {device}"
