@@ -223,7 +223,8 @@ def two_threads() -> dict:
     train(fresh(), 10, serial, "b")
     parallel: dict = {}
     meet["barrier"] = threading.Barrier(2)
-    threads = [threading.Thread(target=train, args=(fresh(), seed, parallel, key)) for seed, key in ((0, "a"), (10, "b"))]
+    threads = [threading.Thread(target=train, args=(fresh(), seed, parallel, key))
+               for seed, key in ((0, "a"), (10, "b"))]
     for t in threads:
         t.start()
     for t in threads:

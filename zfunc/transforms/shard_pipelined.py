@@ -17,13 +17,13 @@ the last differs by stage and schedule. Here, instead, for one ``value_and_grad`
   step.
 - **gradients**: torch's schedule sums each parameter's gradient over the micro-batches (and scales it by
   1/M); when the schedule returned (`gradients_ready`, dispatched by `pipeline` after its tied weights'
-  gradients came home), each unit's summed gradient is reduce-scattered over dp once, in unit order on every dp
-  rank (all issued asynchronously, then waited for), so each dp rank keeps its shard, as at stage 2 and 3
-  without pipeline. Under an `accumulate` inside the pipeline, each schedule's reduced shards are added into
-  its accumulator (`GradAccumulator.add_unit`), on the tier of the unit's optimizer state, and no full-size
-  gradient outlives a schedule. Not overlapped with this rank's compute, but a stage ends its last backward
-  before the stage ahead of it does (1F1B: the last stage first), so its reductions run while earlier stages
-  still compute; the first stage's are the exposed ones.
+  gradients came home), each unit's summed gradient is reduce-scattered over dp once, in unit order on every
+  dp rank (one unit's reduction in flight while the next unit's gradient is packed), so each dp rank keeps
+  its shard, as at stages 2 and 3 without pipeline. Under an `accumulate` inside the pipeline, each
+  schedule's reduced shards are added into its accumulator (`GradAccumulator.add_unit`), on the tier of the
+  unit's optimizer state, and no full-size gradient outlives a schedule. Not overlapped with this rank's
+  compute, but a stage ends its last backward before the stage ahead of it does (1F1B: the last stage
+  first), so its reductions run while earlier stages still compute; the first stage's are the exposed ones.
 
 So at the step's peak a rank holds the stage's parameters and gradient whole, as at stage 1: stage 2 here is
 stage 1's memory and communication, and stage 3 saves parameter memory between steps only (docs/pipeline.md).
