@@ -173,8 +173,13 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
     the transforms inside it)."""
     ctx = current()
     if ctx is not None and ctx.differentiate is not None:
+        # (Unset while it runs, so a value_and_grad inside the loss function is a plain one; set again after, for
+        # the next gradient call of the same step, e.g. each micro-batch of an `accumulate` inside `pipeline`.)
         differentiate, ctx.differentiate = ctx.differentiate, None
-        return differentiate(fn, params, args, kwargs, has_aux)
+        try:
+            return differentiate(fn, params, args, kwargs, has_aux)
+        finally:
+            ctx.differentiate = differentiate
     _check_differentiable(params)
 
     side: dict = {}

@@ -28,7 +28,8 @@ padding included):
   recomputes them; one micro-batch at a time, as `accumulate` runs them;
 - buffers, held during a step: at stage 3 the root unit and two block units
   gathered (one in use, one prefetched), a unit's full gradient and its
-  reduce-dtype copy in flight, the host update's chunk buffers
+  reduce-dtype copy in flight (stages 2 and 3 around `pipeline`: the stage's
+  units whole and its full gradient for the schedule, `shard_pipelined`), the host update's chunk buffers
   (`zfunc.optim.streamed`), and the process's own resident memory before
   training (``baseline``: torch, the CUDA context).
 
@@ -276,11 +277,21 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
         """(params, grads, in flight) on the GPU: what the state holds between steps and what a step holds
         for a while (units gathered or reduced in flight). A per-unit accumulator is counted with the
         optimizer shares, not here."""
+        padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
+        lent = borrowed * 2 * cb  # a tied weight another stage owns, lent for the step, and its gradient
+        if facts.pp > 1 and stage >= 2:
+            # Around a pipeline (`shard_pipelined`): the stage's units whole for the schedule (stage 3 gathers
+            # them), its gradient full (summed over the micro-batches), then two units' packed gradients and
+            # their reduce-dtype copies while they are reduced.
+            biggest = max(u.padded for u in layout.units)
+            step_bytes = psi * cb + 2 * biggest * (cb + reduce_b) + lent
+            if stage == 3:
+                return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * kept_grads,
+                        padded + step_bytes)
+            return padded, shard_elems * kept_grads, step_bytes
         if stage == 3:
             return ((shard_elems if params_tier == "device" else 0) * cb, shard_elems * kept_grads,
                     (root + 2 * biggest_block) * cb + biggest_block * (cb + reduce_b))
-        padded = sum(u.padded for u in layout.units) * cb  # stages 1 and 2 keep the whole (padded) parameters
-        lent = borrowed * 2 * cb  # a tied weight another stage owns, lent for the step, and its gradient
         if stage == 2:
             return padded, shard_elems * kept_grads, biggest_block * (cb + reduce_b) + lent
         full_grads = psi * (cb + acc_b)  # (with accumulate: its full buffer and one micro-batch's gradient)

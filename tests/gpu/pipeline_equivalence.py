@@ -2,11 +2,12 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
     torchrun --nproc-per-node 2 tests/gpu/pipeline_equivalence.py      # pp2 (1F1B, interleaved)
-    ... --nproc-per-node 4 ...                                         # + pp2 x dp2 under shard(stage=1)
+    ... --nproc-per-node 4 ...                                         # + pp2 x dp2 under shard(stage=1|2|3)
 
 Each schedule against the plain step accumulated over the same micro-batches (computed on every rank
 alone, before any group work), fp32, relative error below 1e-5 required; then a bf16 run whose loss is
-reported with the step time. Exits non-zero on a failure.
+reported with the step time (at 4 ranks also pp2 x dp2 under shard stages 1 and 3, bf16, and fp16 with its
+loss scale). Exits non-zero on a failure.
 """
 
 from __future__ import annotations
@@ -60,14 +61,16 @@ def main() -> int:
         state, _ = reference(state, batch(i, device))
     want = {k: v.clone() for k, v in state.params.items()}
     failures = 0
-    cases = [("1F1B", 1), ("interleaved", 1)] + ([("1F1B", 2)] if world == 4 else [])
-    for schedule, dp in cases:
+    cases = [("1F1B", 1, 1), ("interleaved", 1, 1)]
+    if world == 4:
+        cases += [("1F1B", 2, 1), ("1F1B", 2, 2), ("1F1B", 2, 3), ("interleaved", 2, 3)]
+    for schedule, dp, zero in cases:
         pp = world // dp
         mesh = make_mesh(dp=dp, pp=pp)
         step, state = build(device)
         stepped = pipeline(step, schedule=schedule, micro_batches=MICRO // dp, mesh=mesh)
         if dp > 1:
-            stepped = shard(stepped, stage=1, mesh=mesh)
+            stepped = shard(stepped, stage=zero, mesh=mesh)
         state = stepped.init(state)
         for i in range(STEPS):
             state, metrics = stepped(state, batch(i, device, dp, mesh["dp"].get_local_rank()))
@@ -76,7 +79,7 @@ def main() -> int:
         ok = worst < 1e-5
         failures += not ok
         if rank == 0:
-            print(f"{schedule} pp{pp} x dp{dp}: max relative error {worst:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+            print(f"{schedule} pp{pp} x dp{dp}{f' (shard stage {zero})' if dp > 1 else ''}: max relative error {worst:.2e} {'ok' if ok else 'FAIL'}", flush=True)
     # bf16 timing (a rough number: tiny model, dominated by launch and P2P latency)
     mesh = make_mesh(pp=world)
     step, state = build(device)
@@ -92,6 +95,24 @@ def main() -> int:
     if rank == 0:
         print(f"bf16 1F1B pp{world}: loss {float(metrics['loss']):.4f}, {(time.perf_counter() - start) / 10 * 1e3:.1f} "
               "ms/step", flush=True)
+    if world == 4:  # pp2 x dp2: shard stages 1 and 3 around the pipeline, bf16, and fp16 (loss scale, skips)
+        for zero, policy in ((1, "bf16"), (3, "bf16"), (3, "fp16")):
+            mesh = make_mesh(dp=2, pp=2)
+            step, state = build(device)
+            stepped = shard(pipeline(mixed_precision(step, policy), micro_batches=MICRO // 2, mesh=mesh), stage=zero,
+                            mesh=mesh)
+            state = stepped.init(state)
+            part = mesh["dp"].get_local_rank()
+            state, metrics = stepped(state, batch(0, device, 2, part))
+            sync()
+            start = time.perf_counter()
+            for i in range(10):
+                state, metrics = stepped(state, batch(i, device, 2, part))
+            sync()
+            if rank == 0:
+                extra = f", loss scale {float(metrics['loss_scale']):g}" if policy == "fp16" else ""
+                print(f"{policy} 1F1B pp2 x dp2 under shard stage {zero}: loss {float(metrics['loss']):.4f}{extra}, "
+                      f"{(time.perf_counter() - start) / 10 * 1e3:.1f} ms/step", flush=True)
     dist.destroy_process_group()
     return 1 if failures else 0
 

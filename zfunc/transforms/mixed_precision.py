@@ -37,7 +37,9 @@ wrong scale.
 How the primitives change:
 
 - ``value_and_grad``: with fp16 the differentiated loss is ``loss × scale``;
-  the returned loss is the unscaled one, bitwise. Gradients come back in the
+  the returned loss is the unscaled one, bitwise (under `pipeline`, whose
+  loss exists on its last stage only, ``(mean of loss × scale) / scale``:
+  bitwise the same for the power-of-two scales of dynamic scaling). Gradients come back in the
   compute dtype (under `accumulate`, in its accumulation dtype: fp32 by
   default) and still *scaled* (as DeepSpeed's ``p.grad``): the step
   should hand them to ``state.apply_gradients`` unchanged.
@@ -237,6 +239,16 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if self.scaling == "none":
             return next(fn, params, args, kwargs, has_aux)
         scale = self.call_scratch().scale
+        if current().facts.pp > 1:
+            # Under `pipeline` the loss function runs micro-batch by micro-batch inside torch's schedule and its
+            # value reaches the other stages by a broadcast of the differentiated loss; an aux (the unscaled
+            # loss) would cost a host round trip per step. The loss is unscaled from that broadcast instead.
+            def scaled_only(p, *a, **kw):
+                loss, aux = split_loss(fn(p, *a, **kw), has_aux)
+                return (loss * scale, aux) if has_aux else loss * scale
+
+            value, grads = next(scaled_only, params, args, kwargs, has_aux)
+            return ((value[0] / scale, value[1]) if has_aux else value / scale), grads
 
         def scaled_loss(p, *a, **kw):
             loss, aux = split_loss(fn(p, *a, **kw), has_aux)

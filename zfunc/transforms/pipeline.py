@@ -43,13 +43,19 @@ schedule runs them (``StepContext.differentiate``); ``apply`` skips the other st
 stage's forward (``ModelCall.intercept``); ``psum`` adds over the pp ranks; `step.gather` broadcasts each
 parameter from its stage (``complete_gather``). The update is the inner stack's, on the stage's state.
 
-Composition: ``shard(pipeline(tensor_parallel(checkpoint(mixed_precision(step)))), stage=1, mesh=mesh)``
+Composition: ``shard(pipeline(tensor_parallel(checkpoint(mixed_precision(step)))), stage=1|2|3, mesh=mesh)``
 on a ``make_mesh(dp=, pp=, tp=)`` mesh: pipeline uses ``mesh["pp"]``, shard ``mesh["dp"]``,
-tensor_parallel ``mesh["tp"]``. shard's stages 2 and 3 reduce gradients inside each backward pass, which
-the schedule runs per micro-batch: they are refused under pipeline for now (stage 1, DeepSpeed's choice
-with pipelines, composes). fp16 loss scaling and `accumulate` inside are refused (use bf16 and
-``micro_batches``). `zfunc.io` checkpoints record which rank holds each parameter (restored by name into
-any layout); with shard or tensor_parallel besides, they are refused for now.
+tensor_parallel ``mesh["tp"]``. Around a pipeline, shard's stages 2 and 3 keep the stage's units whole for
+the schedule and reduce each unit's gradient, summed over the micro-batches, once after it
+(`zfunc.transforms.shard_pipelined`), through the ``gradients_ready`` this transform dispatches. fp16 loss
+scaling inside: the schedule differentiates the scaled loss, the step's loss is the broadcast mean
+unscaled, the overflow check is ``psum``med over pp too (so every stage skips together, on the device).
+`accumulate` inside: its k gradient calls each run one schedule (``StepContext.differentiate`` stays set
+for the step's gradient calls). `zfunc.io` checkpoints record which rank holds each parameter (restored by
+name into any layout); with shard or tensor_parallel besides, they are refused for now.
+
+torch's built stages and schedule are structure built once per state and batch shape, kept with the
+state's layout (`pipeline_stage.Schedules`), not on this transform, which holds configuration only.
 """
 
 from __future__ import annotations
@@ -75,12 +81,12 @@ from zfunc.transforms.pipeline_stage import (
     Built,
     Counters,
     Run,
-    Schedules,
     StageModule,
     TorchStage,
     block_intercept,
     identity_loss,
     next_tensor,
+    schedules_of,
 )
 from zfunc.transforms.shard_layout import map_param_shaped
 from zfunc.tree import tree_flatten, tree_leaves, tree_map_tensors, tree_unflatten
@@ -154,7 +160,6 @@ class pipeline(Transform):  # noqa: N801
             raise ValueError(f"pipeline: schedule {schedule!r} on {pp} pipeline rank(s) runs {expected} stages "
                              f"({per_rank} per rank), got stages={stages!r}")
         self.stages = int(stages)
-        self._schedules = Schedules()
         self.stack.facts  # noqa: B018 - refuse a stack pipeline cannot run in, at once
 
     def settings(self) -> dict[str, Any]:
@@ -168,19 +173,6 @@ class pipeline(Transform):  # noqa: N801
 
     def declare(self, facts: Facts) -> Facts:
         return facts.replace(pp=self._group().size)
-
-    def check(self, facts: Facts) -> None:
-        if facts.stage >= 2:
-            raise ValueError(
-                f"pipeline: shard(stage={facts.stage}) reduces gradients inside every backward pass, and the "
-                "pipeline schedule runs one backward per micro-batch; use shard(pipeline(...), stage=1) (ZeRO-1: "
-                "the optimizer state and master partitioned over dp, as DeepSpeed pairs with pipelines)")
-        if facts.loss_scaling != "none":
-            raise ValueError("pipeline: fp16 loss scaling is not supported inside pipeline; use "
-                             "mixed_precision(..., 'bf16')")
-        if facts.micro_batches > 1:
-            raise ValueError("pipeline: accumulate inside pipeline is refused: pipeline(..., micro_batches=k) "
-                             "already splits the batch into micro-batches")
 
     # -- layout --------------------------------------------------------------
     def init_state(self, state):
@@ -284,13 +276,15 @@ class pipeline(Transform):  # noqa: N801
         m = self.micro_batches
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] % m):
+                k = current().facts.micro_batches  # (an `accumulate` inside: each of its k slices is split again)
+                inside = f" (one of accumulate's {k} slices of the batch)" if k > 1 else ""
                 raise ValueError(
                     f"pipeline(micro_batches={m}) splits every batch tensor along dim 0 into {m} equal micro-batches, "
-                    f"but got one of shape {tuple(leaf.shape)}; make the batch size a multiple of {m}")
+                    f"but got one of shape {tuple(leaf.shape)}{inside}; make the batch size a multiple of {k * m}")
         micro = split_micro_batches((args, kwargs), m) if m > 1 else [(args, kwargs)]
         run = Run(fn, micro, has_aux, call.counters)
         lent = self._lend(layout, group, params, call.counters)
-        built = self._built(layout, group, micro)
+        key, built = self._built(layout, group, micro)
         for module in built.modules:
             module.load({**params, **lent.get(module.stage, {})})
             module.run = run
@@ -309,14 +303,17 @@ class pipeline(Transform):  # noqa: N801
             grads.update({k: got[k] for k in layout.owned_by(module.stage)})
         borrowed = {module.stage: {k: g for k, g in module.grads().items() if k not in layout.owned_by(module.stage)}
                     for module in built.modules}
-        self._return_gradients(layout, group, grads, borrowed, call.counters)
         for module in built.modules:  # (drop the leaves: the state keeps the parameters)
             module.load({k: torch.empty(0) for k in module.keys})
-        loss = self._loss(layout, group, losses, built)
+        # Free for the state's next step (a schedule that failed is dropped: torch's buffers may be half-used).
+        schedules_of(layout).give(key, built)
+        self._return_gradients(layout, group, grads, borrowed, call.counters)
+        loss = self._loss(layout, group, losses)
         # Counted over every rank (pp ranks hold the same loss: /pp), whatever allow_nonfinite says on each.
-        bad = psum((~torch.isfinite(loss)).to(torch.float32)) / group.size
-        if not allow:  # (no host read: the update is skipped on the device, the error raised at the state's next use)
-            skip_update_if_nonfinite(current(), loss, bad)
+        if current().facts.loss_scaling == "none":  # (fp16's scaler skips such steps: their gradients overflow)
+            bad = psum((~torch.isfinite(loss)).to(torch.float32)) / group.size
+            if not allow:  # (no host read: the update is skipped on the device, the error raised at the next use)
+                skip_update_if_nonfinite(current(), loss, bad)
         grads = gradients_ready({k: grads[k] for k in layout.keys})
         if has_aux:
             return (loss, self._aux(layout, group, run)), grads
@@ -367,20 +364,22 @@ class pipeline(Transform):  # noqa: N801
         return next(model_call)
 
     # -- pieces of value_and_grad -------------------------------------------------
-    def _built(self, layout: PipelineLayout, group: dist.Group, micro: list) -> Built:
+    def _built(self, layout: PipelineLayout, group: dist.Group, micro: list) -> tuple[Any, Built]:
+        """torch's stages and schedule for these micro-batches' shapes, taken out of the state's cache
+        (`pipeline_stage.Schedules`; given back after the schedule ran) or built now, and their key."""
         leaves = [x for x in tree_leaves(micro[0]) if isinstance(x, torch.Tensor)]
-        key = (layout, tuple((tuple(x.shape), x.dtype, x.device) for x in leaves), str(tree_flatten(micro[0])[1]))
-        built = self._schedules.built.get(key)
-        if built is not None:
-            return built
         cls_name, per_rank = SCHEDULES[self.schedule]
+        key = (cls_name, self.micro_batches, group.handle, group.device,
+               tuple((tuple(x.shape), x.dtype, x.device) for x in leaves), str(tree_flatten(micro[0])[1]))
+        built = schedules_of(layout).take(key)
+        if built is not None:
+            return key, built
         modules = [StageModule(s, layout.used_by(s), layout) for s in layout.local_stages]
         stages = [TorchStage(m, m.stage, layout.stages, group.device, group=group.handle) for m in modules]
         cls = getattr(pipelining, cls_name)
         schedule = cls(stages[0] if per_rank == 1 else stages, self.micro_batches, loss_fn=identity_loss,
                        scale_grads=True)
-        built = self._schedules.built[key] = Built(modules, schedule)
-        return built
+        return key, Built(modules, schedule)
 
     def _lend(self, layout: PipelineLayout, group: dist.Group, params: dict, counters: Counters) -> dict:
         """Tied weights: each owner sends its current value to the stages that borrow it."""
@@ -426,7 +425,7 @@ class pipeline(Transform):  # noqa: N801
         for key, g in arriving:
             grads[key] = grads[key] + g.to(grads[key].device)
 
-    def _loss(self, layout: PipelineLayout, group: dist.Group, losses: list, built: Built) -> torch.Tensor:
+    def _loss(self, layout: PipelineLayout, group: dist.Group, losses: list) -> torch.Tensor:
         """The mean of the micro-batches' losses (float32), on every pipeline rank (broadcast from the last stage's)."""
         last = layout.rank_of(layout.stages - 1)
         # (float32 on every rank: the other ranks cannot know the loss's dtype without asking)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
+# The attribute (not a field) under which `pipeline_stage.schedules_of` keeps a state's built torch schedules on
+# its layout: structure built once per state, left out of copies and pickles of the layout (`__getstate__`).
+SCHEDULES_ATTRIBUTE = "_built_schedules"
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineLayout:
@@ -27,6 +31,11 @@ class PipelineLayout:
     borrowers: tuple[tuple[str, tuple[int, ...]], ...]
     first_root: frozenset
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
+
+    def __getstate__(self) -> dict:
+        # A copy of a state (copy.deepcopy) gets its own schedules, built at its first step: torch's
+        # schedules hold process groups and per-run buffers, which are not copied.
+        return {k: v for k, v in self.__dict__.items() if k != SCHEDULES_ATTRIBUTE}
 
     @property
     def stages(self) -> int:

@@ -5,6 +5,7 @@ other stages' blocks and end the stage's forward after its own, and the step's t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from zfunc.autodiff import split_loss
-from zfunc.transforms.pipeline_layout import PipelineLayout
+from zfunc.transforms.pipeline_layout import SCHEDULES_ATTRIBUTE, PipelineLayout
 from zfunc.tree import tree_leaves
 
 
@@ -170,11 +171,41 @@ class Built:
 
 
 class Schedules:
-    """The built schedules of one pipeline transform, by layout and micro-batch shapes (a cache, like
-    `ModelStructure`'s: what it holds follows from its key; a step of a pipeline is not re-entrant)."""
+    """torch's built stages and schedules for one pipeline state, by the shapes of its micro-batches.
+
+    Structure built once, not per-call scratch: torch infers the shapes crossing stages by running one
+    micro-batch when a schedule is first used, which is worth doing once per state and batch shape. It lives
+    with the state's `PipelineLayout` (`schedules_of`: made at the state's first step, left out of copies of
+    the layout), never on the transform, which holds configuration only. A built schedule holds mutable
+    state while it runs (torch's buffers, the stage modules' parameters and micro-batches), so a step takes
+    one out (`take`) and puts it back when done (`give`): two steps running at once (two threads, or two
+    states that share a layout) never share one; the second builds its own.
+    """
 
     def __init__(self) -> None:
-        self.built: dict[Any, Built] = {}
+        self._free: dict[Any, list[Built]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: Any) -> Built | None:
+        """A built schedule for ``key`` that no step is using, taken out of the cache (None: build one)."""
+        with self._lock:
+            free = self._free.get(key)
+            return free.pop() if free else None
+
+    def give(self, key: Any, built: Built) -> None:
+        """``built`` is free again (kept one per key: a second, built while the first was in use, is dropped)."""
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if not free:
+                free.append(built)
+
+
+def schedules_of(layout: PipelineLayout) -> Schedules:
+    """The built schedules of the state whose layout is ``layout`` (see `Schedules`)."""
+    found = layout.__dict__.get(SCHEDULES_ATTRIBUTE)
+    if found is None:  # (setdefault: atomic, so two threads' first steps agree on one cache)
+        found = layout.__dict__.setdefault(SCHEDULES_ATTRIBUTE, Schedules())
+    return found
 
 
 def block_intercept(block: str, position: int, stage: int, active: Active, mine: tuple, last_stage: bool):

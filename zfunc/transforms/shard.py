@@ -79,6 +79,7 @@ from zfunc.transforms.shard_layout import (
     merge_units,
     zip_param_shaped,
 )
+from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_units import Units
 from zfunc.tree import tree_leaves, tree_map_tensors
 
@@ -105,8 +106,10 @@ class ShardedParams(dict):
 class _Call:
     """Per-call scratch of `shard`: the layout, the collectives and the unit machinery."""
 
-    def __init__(self, layout: ShardLayout, comm: dist.Comm, units: Units | None) -> None:
+    def __init__(self, layout: ShardLayout, comm: dist.Comm, units: Units | None,
+                 pipelined: StageUnits | None = None) -> None:
         self.layout, self.comm, self.units = layout, comm, units
+        self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
 
 
@@ -175,6 +178,13 @@ class shard(Transform):  # noqa: N801
     def declare(self, facts: Facts) -> Facts:
         return facts.replace(stage=self.stage, fused_update=True if facts.fused_update is None else facts.fused_update,
                              recompute=facts.recompute or (self.stage == 3 and self.reshard == "recompute"))
+
+    def check(self, facts: Facts) -> None:
+        if facts.pp > 1 and self.stage == 3 and self.reshard == "recompute":
+            raise ValueError("shard(stage=3, reshard='recompute') around pipeline: a pipeline stage's units stay "
+                             "gathered for the whole schedule (zfunc.transforms.shard_pipelined), so there is nothing "
+                             "to re-gather or recompute; use reshard='release', and checkpoint(...) inside the "
+                             "pipeline to recompute the blocks' activations")
 
     def _group(self) -> dist.Group:
         return dist.Group.resolve(self.group, self.timeout)
@@ -331,6 +341,8 @@ class shard(Transform):  # noqa: N801
             dist.announce(group, f"a step of shard(stage={self.stage})")
         comm = (CompiledComm(group, ctx.facts.reduce_dtype) if tracing()
                 else dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype))
+        if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
+            return _Call(layout, comm, None, StageUnits(layout, comm))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
                       verify=self.verify) if self.stage > 1 else None
         return _Call(layout, comm, units)
@@ -358,6 +370,8 @@ class shard(Transform):  # noqa: N801
                 sharded.update(unit.shard_views(reduced, comm.group.rank))
             comm.finish_pending()
             return value, sharded
+        if call.pipelined is not None:  # reduced in gradients_ready, once the schedule returned
+            return next(fn, call.pipelined.full_params(params), args, kwargs, has_aux)
         full_flats = self._full_flats(params, layout) if self.stage == 2 else None
         shards = self._param_shards(params, layout, full_flats)
         if self.stage == 3:
@@ -379,6 +393,8 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         if call.units is not None:
             grads = call.units.finish_pass(grads)
+        elif call.pipelined is not None:
+            grads = call.pipelined.reduce(grads)
         return next(grads)
 
     def apply(self, next, model_call):
@@ -386,6 +402,8 @@ class shard(Transform):  # noqa: N801
         if not (self.stage == 3 or isinstance(params, ShardedParams)):
             return next(model_call)  # full parameters (stage 1/2 outside the loss)
         call: _Call = self.call_scratch()
+        if call.pipelined is not None:  # the stage's parameters are whole for the schedule (`shard_pipelined`)
+            return next(model_call)
         call.sharded_applies += 1
         units = call.units
         if units.mode == "autograd" and _under_torch_func():
