@@ -167,5 +167,8 @@ def test_tp2_x_pp2_to_tp2_x_dp2_to_dp4_and_back_and_to_one_process_is_exact(tmp_
     older = as_format_3(tmp_path / "tp2dp2", tmp_path / "tp2dp2-format3")  # what zfunc wrote before format 4
     assert_same(restore_into([(1, 1, 1, 0, None)], str(older)), saved, nxt)
     full = load_file(zf.io.consolidate(tmp_path / "tp2pp2", tmp_path / "full.safetensors", progress=False))
+    hf = zf.io.export_hf(tmp_path / "hf", tmp_path / "tp2pp2", config=None, progress=False)
+    exported = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in load_file(f).items()}
     for key, want in saved.items():
         torch.testing.assert_close(full[key], want, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(exported[key], want, rtol=0, atol=0, msg=key)
