@@ -14,9 +14,11 @@ A state is walked into
 
 Under `tensor_parallel` a rank holds, of each split parameter, its tp shard
 (the full tensor's slices along one dim, `ParamSplit`), and of that its dp
-range; it saves that range, and `Spans.runs` maps it to the runs of the full
-parameter's flat elements it covers, so restore reshards by global offsets
-across any (dp, tp) layout. Replicated parameters are saved by tp rank 0.
+range; under `pipeline` only its stages' parameters. It saves that range
+(`Spans.span`), and `Spans.runs` maps it to the runs of the full parameter's
+flat elements it covers, so restore reshards by global offsets across any
+(dp, pp, tp) layout (`Mesh`: each rank's coordinates). Parameters tp
+replicates are saved by tp rank 0.
 
 Path components are dict keys (with ``%`` and ``/`` escaped), NamedTuple field
 names and tuple/list indices, joined by ``/``.

@@ -48,8 +48,8 @@ on a ``make_mesh(dp=, pp=, tp=)`` mesh: pipeline uses ``mesh["pp"]``, shard ``me
 tensor_parallel ``mesh["tp"]``. shard's stages 2 and 3 reduce gradients inside each backward pass, which
 the schedule runs per micro-batch: they are refused under pipeline for now (stage 1, DeepSpeed's choice
 with pipelines, composes). fp16 loss scaling and `accumulate` inside are refused (use bf16 and
-``micro_batches``). `zfunc.io` checkpoints record which rank holds each parameter (restored by name into
-any layout); with shard or tensor_parallel besides, they are refused for now.
+``micro_batches``). `zfunc.io` checkpoints record which pipeline rank holds each parameter (and, with shard or
+tensor_parallel besides, each rank's dp and tp coordinates): restored exactly into any layout.
 """
 
 from __future__ import annotations
