@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 import zfunc as zf
 from tests.io_tools import rewrite_manifest
 from tests.tp_cases import batch, make_step
+from zfunc.cli import main as cli_main
 from zfunc.mesh import make_mesh
 from zfunc.testing import run_distributed
 from zfunc.transforms import pipeline, shard, tensor_parallel, tp_plan
@@ -101,6 +102,19 @@ def as_format_3(source: Path, target: Path) -> Path:
     return step_dir
 
 
+# A format-4 manifest is validated field by field before anything is read (each rewrite re-seals the checksums).
+FAULTS = {
+    "coordinates repeat": (lambda m: m["mesh"]["coords"].__setitem__(1, m["mesh"]["coords"][0]),
+                           r"field mesh.coords\[1\] repeats \[0, 0, 0\]"),
+    "sizes not the world's": (lambda m: m["mesh"].update(dp=4), r"field mesh is dp4 x pp2 x tp1, not the world size 4"),
+    "a holder beyond pp": (lambda m: m["pipeline"]["holders"].update({"transformer.ln_f.weight": 2}),
+                           r"pipeline.holders\['transformer.ln_f.weight'\] must be in \[0, 1\], got 2"),
+    "no pipeline section": (lambda m: m.pop("pipeline"), r"has pp=2, but the manifest lacks a 'pipeline' section"),
+    "a layout over other ranks": (lambda m: m["layout"].update(world_size=4), r"field layout is for stage 1 on 4"),
+    "a unit left out": (lambda m: m["layout"]["units"].pop(), r"field layout.units leave out parameters"),
+}
+
+
 def refused_without_shard(directory: str) -> list:
     """pipeline over pp2 of a dp2 x pp2 mesh with no shard around it: each dp replica would be its own state."""
     _, step, state = make_step("gpt2")
@@ -117,7 +131,7 @@ def refused_without_shard(directory: str) -> list:
 
 
 @pytest.mark.slow
-def test_pp2_x_dp2_to_dp4_and_back_to_pp2_and_to_one_process_is_exact(tmp_path):
+def test_pp2_x_dp2_to_dp4_and_back_to_pp2_and_to_one_process_is_exact(tmp_path, capsys):
     first = run_distributed(train_and_save, 4, str(tmp_path / "pp2dp2"), 2, 2, 1)
     saved, nxt = first[0]["saved"], first[0]["next"]
     m = manifest_of(tmp_path / "pp2dp2")
@@ -148,6 +162,13 @@ def test_pp2_x_dp2_to_dp4_and_back_to_pp2_and_to_one_process_is_exact(tmp_path):
     for key, want in saved.items():
         torch.testing.assert_close(full[key], want, rtol=0, atol=0, msg=key)
     assert torch.equal(full["lm_head.weight"], full["transformer.wte.weight"])  # the tied head, recorded
+    assert cli_main(["verify", str(tmp_path / "pp2dp2")]) == 0 and cli_main(["info", str(tmp_path / "pp2dp2")]) == 0
+    assert "mesh dp2 x pp2 x tp1; stages of blocks: [1, 1]" in capsys.readouterr().out
+    for name, (mutate, message) in FAULTS.items():
+        shutil.copytree(tmp_path / "pp2dp2", tmp_path / name)
+        rewrite_manifest(next((tmp_path / name).glob("step_*")), mutate)
+        with pytest.raises(zf.io.CheckpointError, match=message):
+            zf.io.consolidate(tmp_path / name, tmp_path / "never.safetensors", progress=False)
 
 
 @pytest.mark.slow
