@@ -106,11 +106,15 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
         error = f"save: {e}" if isinstance(e, (CheckpointError, TypeError, ValueError)) else \
             f"save: rank {g.rank}: {type(e).__name__}: {e}"
-    coords = plan.mesh.coords[g.rank] if plan is not None else None
-    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0, coords], g)
+    place = [plan.mesh.describe(), plan.mesh.coords[g.rank]] if plan is not None else None
+    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0, place], g)
     raise_if_failed("save", [v[1] for v in views], g.rank)
+    if len({v[3][0] for v in views}) != 1:
+        listed = ", ".join(f"rank {r}: {v[3][0]}" for r, v in enumerate(views))
+        raise CheckpointError(f"save: the ranks' states are split differently ({listed}); every rank saves the state "
+                              "its own step of one stack returned")
     # Every rank's (dp, pp, tp) coordinates, for the manifest: each place of the mesh once.
-    plan = plan._replace(mesh=dataclasses.replace(plan.mesh, coords={r: tuple(v[3]) for r, v in enumerate(views)}))
+    plan = plan._replace(mesh=dataclasses.replace(plan.mesh, coords={r: tuple(v[3][1]) for r, v in enumerate(views)}))
     if len(set(plan.mesh.coords.values())) != g.size:
         listed = ", ".join(f"rank {r}: {list(c)}" for r, c in plan.mesh.coords.items())
         raise CheckpointError(f"save: the ranks' (dp, pp, tp) coordinates in the state's {plan.mesh.describe()} "
