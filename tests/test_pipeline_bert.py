@@ -21,8 +21,9 @@ def make_step():
     model = make_model("bert")
     apply_fn, params = zf.functional(model)
 
-    def loss_fn(params, batch):
-        return apply_fn(params, input_ids=batch["x"], labels=batch["y"]).loss
+    def loss_fn(params, batch):  # (the mask and token types are computed with outside the blocks, on every stage)
+        return apply_fn(params, input_ids=batch["x"], attention_mask=batch["mask"], token_type_ids=batch["types"],
+                        labels=batch["y"]).loss
 
     def train_step(state, batch):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
@@ -34,13 +35,18 @@ def make_step():
 
 
 def batch(i: int) -> dict:
-    """Tokens with ``MASKED`` positions of each row replaced by the mask token; labels -100 (ignored) elsewhere.
-    Every row has as many labelled tokens, so the mean over micro-batches' mean losses is the batch's."""
+    """Tokens with ``MASKED`` positions of each row replaced by the mask token; labels -100 (ignored) elsewhere
+    (every row has as many labelled tokens, so the mean over micro-batches' mean losses is the batch's); an
+    attention mask padding every other row; two segments of token types."""
     g = torch.Generator().manual_seed(100 + i)
     tokens = torch.randint(4, VOCAB, (BATCH, SEQ), generator=g)
     where = torch.stack([torch.randperm(SEQ, generator=g)[:MASKED] for _ in range(BATCH)])
     masked = torch.zeros(BATCH, SEQ, dtype=torch.bool).scatter_(1, where, True)
-    return {"x": torch.where(masked, MASK_ID, tokens), "y": torch.where(masked, tokens, -100)}
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1::2, -2:] = 0  # every other row padded at its end
+    types = (torch.arange(SEQ) >= SEQ // 2).long().expand(BATCH, SEQ)  # a second segment: the frozen embedding's row 1
+    return {"x": torch.where(masked, MASK_ID, tokens), "y": torch.where(masked, tokens, -100), "mask": mask,
+            "types": types}
 
 
 def plain() -> dict:
