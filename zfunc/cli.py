@@ -139,6 +139,9 @@ def _info(args: argparse.Namespace) -> int:
           f"format {m['format_version']} (zfunc {m.get('zfunc_version')}, torch {m.get('torch_version')}), "
           f"created {m.get('created')}")
     print(f"  {len(m['params'])} parameters, {n:,} elements; weights: {m['weights']}")
+    if "mesh" in m:  # (format 4: how the state was split beyond the ranks' count)
+        print(f"  mesh dp{m['mesh']['dp']} x pp{m['mesh']['pp']} x tp{m['mesh']['tp']}"
+              + (f"; stages of blocks: {[len(b) for b in m['pipeline']['stage_blocks']]}" if "pipeline" in m else ""))
     if m.get("ties"):
         print(f"  tied: {', '.join(f'{a} = {k}' for a, k in m['ties'])}")
     for path, dtypes in m["groups"].items():

@@ -69,7 +69,7 @@ model trained) to also write its frozen parameters and buffers, so that
 with ``strict=False``. See `zfunc.io.export`. Also ``zfunc consolidate DIR
 OUT [--model MODULE:FACTORY]`` and ``python -m zfunc.io consolidate DIR OUT``.
 
-Layout on disk (format version 2)::
+Layout on disk (format version 2; 4 adds ``mesh`` and its sections, below)::
 
     dir/latest                         "step_000123 <SHA-256 of step_000123/manifest.json>\n"
     dir/.zfunc.lock                    the lock a save holds (flock); left in place
@@ -90,23 +90,28 @@ Format 1 (no ``manifest.sha256``, no ``ties``, ``latest`` holding the name
 alone) is still read, with a warning that its manifest is not checksummed;
 saving again writes format 2.
 
-Format 3 is format 2 plus ``tensor_parallel``, written only for a state split
+Format 3 is format 2 plus one section: ``tensor_parallel`` (a state split
 by `tensor_parallel`: ``{size, splits: {key: [dim, parts]}, coords: [[dp rank,
-tp rank] per world rank]}``. Each rank then saves the 1-D range ``[a, b)`` of
-its tp shard of each split parameter that its dp shard holds (replicated
-parameters from tp rank 0 only), ``params`` and ``layout`` keep the full and
-the tp-local shapes, and a restore maps every saved range to the runs of the
-full parameter's flat elements it covers (`zfunc.io.entries.Spans.runs`), so
-it reshards across any (dp, tp) layout: tp2 x dp2 -> dp4 -> tp2 x dp2, or
-into one process.
+tp rank] per world rank]}``) or ``pipeline`` (a state split into stages by
+`pipeline` alone: ``{pp, holders: {key: rank}, stage_blocks: [[block, ...]
+per stage]}``, the world's ranks the pipeline's). It is still read.
 
-Format 3 is also format 2 plus ``pipeline``, written only for a state split
-into stages by `pipeline` (alone: with shard or tensor_parallel besides it is
-refused): ``{pp, holders: {key: rank}, stage_blocks: [[block, ...] per
-stage]}``. Each rank saves its stages' parameters whole; ``params`` and
-``groups`` list every stage's, and a restore reads each parameter from its
-holder, into any layout (pp2 -> pp1 -> pp2). A format-3 manifest has exactly
-one of the two sections; formats 1 and 2 are still read.
+Format 4, written for any state split by `tensor_parallel` or `pipeline`
+(besides `shard` or not), is format 2 plus ``mesh``: ``{dp, pp, tp, coords:
+[[dp rank, pp rank, tp rank] per world rank]}``, with either section or both:
+``tensor_parallel`` as in format 3 without ``coords``, ``pipeline`` as in
+format 3 with ``holders`` naming pipeline ranks. ``params`` holds every
+stage's full shapes, ``groups`` every stage's parameters, and ``layout``
+(under `shard`) is one layout over the dp ranks whose units are every
+pipeline rank's (each parameter in one unit, of its stage; tp-local shapes).
+Each rank saves the 1-D range ``[a, b)`` of its tp shard of each parameter
+its pipeline rank holds that its dp shard holds (parameters tp replicates:
+from tp rank 0 only); a restore maps every saved range to the runs of the
+full parameter's flat elements it covers (`zfunc.io.entries.Spans`), so it
+reshards across any (dp, pp, tp) layout: pp2 x dp2 -> dp4 -> pp2 x dp2,
+tp2 x pp2 -> tp2 x dp2 -> dp4 -> tp2 x pp2, tp2 x dp2 -> one process, pp2 ->
+pp1 -> pp2. A state whose dp x pp x tp split does not span the ranks that
+save or restore it is refused on every rank, naming the split.
 
 A rank's data is split into parts of about ``part_bytes`` (512 MiB; a larger
 tensor gets a part of its own) that are written, hashed and read by parallel

@@ -14,9 +14,11 @@ A state is walked into
 
 Under `tensor_parallel` a rank holds, of each split parameter, its tp shard
 (the full tensor's slices along one dim, `ParamSplit`), and of that its dp
-range; it saves that range, and `Spans.runs` maps it to the runs of the full
-parameter's flat elements it covers, so restore reshards by global offsets
-across any (dp, tp) layout. Replicated parameters are saved by tp rank 0.
+range; under `pipeline` only its stages' parameters. It saves that range
+(`Spans.span`), and `Spans.runs` maps it to the runs of the full parameter's
+flat elements it covers, so restore reshards by global offsets across any
+(dp, pp, tp) layout (`Mesh`: each rank's coordinates). Parameters tp
+replicates are saved by tp rank 0.
 
 Path components are dict keys (with ``%`` and ``/`` escaped), NamedTuple field
 names and tuple/list indices, joined by ``/``.
@@ -111,32 +113,26 @@ def tp_layout_of(state: TrainState) -> TPLayout | None:
 @dataclasses.dataclass(frozen=True)
 class TPInfo:
     """How a checkpoint's parameters are split over tensor-parallel ranks (the manifest's ``tensor_parallel``):
-    the tp ``size``, each split parameter's ``(dim, parts)`` (`ParamSplit`; the others are replicated) and
-    each world rank's ``(dp rank, tp rank)`` (``coords``; a template knows its own only)."""
+    the tp ``size`` and each split parameter's ``(dim, parts)`` (`ParamSplit`; the others are replicated)."""
 
     size: int
     splits: dict[str, tuple[int, int]]
-    coords: dict[int, tuple[int, int]]
 
     @classmethod
-    def of_state(cls, state: TrainState, rank: int) -> "TPInfo | None":
+    def of_state(cls, state: TrainState) -> TPInfo | None:
         tp = tp_layout_of(state)
         if tp is None:
             return None
-        layout = layout_of(state)
-        splits = {k: (s.dim, s.parts) for k, s in tp.splits if s.dim is not None}
-        return cls(tp.size, splits, {rank: (layout.rank if layout is not None else 0, tp.rank)})
+        return cls(tp.size, {k: (s.dim, s.parts) for k, s in tp.splits if s.dim is not None})
 
     def to_json(self) -> dict:
-        return {"size": self.size, "splits": {k: list(v) for k, v in self.splits.items()},
-                "coords": [list(self.coords[r]) for r in sorted(self.coords)]}
+        return {"size": self.size, "splits": {k: list(v) for k, v in self.splits.items()}}
 
     @classmethod
-    def from_json(cls, data: dict | None) -> "TPInfo | None":
+    def from_json(cls, data: dict | None) -> TPInfo | None:
         if data is None:
             return None
-        return cls(data["size"], {k: (v[0], v[1]) for k, v in data["splits"].items()},
-                   {r: (c[0], c[1]) for r, c in enumerate(data["coords"])})
+        return cls(data["size"], {k: (v[0], v[1]) for k, v in data["splits"].items()})
 
     def local_shape(self, key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         if key not in self.splits:
@@ -145,49 +141,133 @@ class TPInfo:
         return tuple(n // self.size if d == dim else n for d, n in enumerate(shape))
 
 
+MESH_ADVICE = ("A checkpoint records a state split over all the ranks that save or restore it: shard's dp, "
+               "pipeline's pp and tensor_parallel's tp ranks together must be those ranks (a mesh's dp dimension "
+               "needs shard(..., mesh=mesh) around the step, else its dp replicas are not one state), or pass "
+               "group= the ranks the state is split over. To move weights between unrelated layouts, save "
+               "full = step.gather(state) instead and start from step.init(zf.TrainState.create(full, tx)).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """How a state is split over the ranks that save or restore it: the sizes of its ``dp`` (`shard`), ``pp``
+    (`pipeline`) and ``tp`` (`tensor_parallel`) dimensions and each world rank's ``(dp, pp, tp)`` coordinates
+    (``coords``; a template knows its own only). The manifest's ``mesh`` (format 4)."""
+
+    dp: int
+    pp: int
+    tp: int
+    coords: dict[int, tuple[int, int, int]]
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def describe(self) -> str:
+        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
+
+    @classmethod
+    def of_state(cls, state: TrainState, rank: int) -> Mesh:
+        """The state's own dimensions (1 for a transform it was not built by), this rank at its coordinates."""
+        layout, stages, tp = layout_of(state), pipeline_of(state), tp_layout_of(state)
+        sizes = [(layout.world_size, layout.rank) if layout is not None else (1, 0),
+                 (stages.pp, stages.rank) if stages is not None else (1, 0),
+                 (tp.size, tp.rank) if tp is not None else (1, 0)]
+        if all(n == 1 for n, _ in sizes):  # split by nothing: the same on every rank, as dp replicas are
+            return cls(1, 1, 1, {rank: (rank, 0, 0)})
+        return cls(*(n for n, _ in sizes), {rank: tuple(r for _, r in sizes)})
+
+    def replicated(self) -> bool:
+        """Whether the state is split by nothing (saved by rank 0 on any number of ranks)."""
+        return self.size == 1
+
+    def to_json(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp, "coords": [list(self.coords[r]) for r in
+                                                                         sorted(self.coords)]}
+
+    @classmethod
+    def of_manifest(cls, m: dict) -> Mesh:
+        """Every saved rank's coordinates: format 4's ``mesh``; before it, a tp section's ``(dp, tp)``
+        coordinates, a pipeline section's ranks (pp alone: world rank = pipeline rank) or dp alone."""
+        world = m["world_size"]
+        if "mesh" in m:
+            mesh = m["mesh"]
+            return cls(mesh["dp"], mesh["pp"], mesh["tp"], {r: tuple(c) for r, c in enumerate(mesh["coords"])})
+        if "tensor_parallel" in m:
+            tp = m["tensor_parallel"]
+            return cls(world // tp["size"], 1, tp["size"], {r: (c[0], 0, c[1]) for r, c in enumerate(tp["coords"])})
+        if "pipeline" in m:
+            return cls(1, world, 1, {r: (0, r, 0) for r in range(world)})
+        return cls(world, 1, 1, {r: (r, 0, 0) for r in range(world)})
+
+    def trivial(self) -> bool:
+        """Whether this is data parallelism alone (what formats 1 and 2 describe)."""
+        return self.pp == self.tp == 1
+
+
 def pipeline_of(state: TrainState) -> PipelineLayout | None:
     layout = state.extras.get("pipeline") if isinstance(state.extras, dict) else None
     return layout if isinstance(layout, PipelineLayout) else None
 
 
 def all_shapes(state: TrainState, layout: ShardLayout | None) -> dict[str, tuple[int, ...]]:
-    """Full shape of every parameter of the model, in its order: under `pipeline`, of every stage's."""
+    """Full shape of every parameter of the model, in its order: under `pipeline`, of every stage's (under
+    `tensor_parallel` too: the whole parameter's, not the tp shard's)."""
     stages = pipeline_of(state)
-    return dict(stages.shapes) if stages is not None else global_shapes(state, layout)
+    if stages is None:
+        return global_shapes(state, layout)
+    shapes = dict(stages.shapes)  # (under tensor_parallel, which splits before pipeline does: tp-local shapes)
+    tp = tp_layout_of(state)
+    if tp is not None:
+        shapes.update({k: tuple(split.shape) for k, split in tp.splits if split.dim is not None and k in shapes})
+    return shapes
 
 
 def holders_of(state: TrainState) -> dict[str, int] | None:
-    """Under `pipeline` (alone): the rank holding each parameter (its stage's); None otherwise."""
+    """Under `pipeline`: the pipeline rank holding each parameter (its stage's); None otherwise."""
     stages = pipeline_of(state)
     return None if stages is None else {k: stages.rank_of(s) for k, s in stages.owner}
 
 
 class Spans:
-    """Which elements of each parameter a rank holds, for a layout (None: plain), a tp split (None: none) and
-    pipeline ``holders`` (None: none; else each parameter whole on the rank of its stage).
+    """Which elements of each parameter a rank holds, for a shard ``layout`` (None: none), a tp split (None:
+    none), pipeline ``holders`` (None: none; else each parameter on the pipeline rank of its stage) and the
+    ranks' ``mesh`` coordinates (None: dp alone, world rank = dp rank).
 
     ``span`` is the flat range ``[a, b)`` of the rank's tp shard (the whole parameter without tp) that the
-    rank saves; ``runs`` maps such a range to the full parameter's flat elements. (A checkpoint has a tp
-    split or pipeline holders, never both: `refuse_pipeline` refuses a pipeline state with tp besides.)
+    rank saves: nothing unless its pipeline rank holds the parameter, nothing on tp ranks but 0 for a
+    parameter tp replicates, else its dp range in the layout (the layout of a pipeline checkpoint holds
+    every stage's units: a parameter is in its own stage's). ``runs`` maps such a range to the full
+    parameter's flat elements.
     """
 
     def __init__(self, layout: ShardLayout | None, shapes: dict[str, tuple[int, ...]],
-                 tp: TPInfo | None = None, holders: dict[str, int] | None = None) -> None:
-        self.layout, self.tp, self.holders, self.shapes = layout, tp, holders, shapes
+                 tp: TPInfo | None = None, holders: dict[str, int] | None = None, mesh: Mesh | None = None) -> None:
+        self.layout, self.tp, self.holders, self.shapes, self.mesh = layout, tp, holders, shapes, mesh
         local = {k: tp.local_shape(k, s) for k, s in shapes.items()} if tp is not None else shapes
         self.numel = {k: math.prod(s) for k, s in local.items()}
         self._where = {k: (u, i) for u in layout.units for i, k in enumerate(u.keys)} if layout else {}
 
-    def coords(self, rank: int) -> tuple[int, int]:
-        """``(dp rank, tp rank)`` of world rank ``rank``."""
-        if self.tp is None:
-            return rank, 0
-        return self.tp.coords[rank]
+    @classmethod
+    def of_manifest(cls, m: dict) -> Spans:
+        """Where every saved rank's elements are, from a (validated) manifest of any format."""
+        layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
+        return cls(layout, {k: tuple(s) for k, s in m["params"].items()}, TPInfo.from_json(m.get("tensor_parallel")),
+                   (m.get("pipeline") or {}).get("holders"), Mesh.of_manifest(m))
+
+    @classmethod
+    def of_state(cls, state: TrainState, rank: int, shapes: dict[str, tuple[int, ...]]) -> Spans:
+        """Where a state's own elements are (this ``rank``'s), for parameters of full ``shapes``."""
+        return cls(layout_of(state), shapes, TPInfo.of_state(state), None, Mesh.of_state(state, rank))
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """``(dp rank, pp rank, tp rank)`` of world rank ``rank``."""
+        return self.mesh.coords[rank] if self.mesh is not None else (rank, 0, 0)
 
     def span(self, key: str, rank: int) -> tuple[int, int]:
-        if self.holders is not None:
-            return (0, self.numel[key]) if self.holders[key] == rank else (0, 0)
-        dp, tp_rank = self.coords(rank)
+        dp, pp, tp_rank = self.coords(rank)
+        if self.holders is not None and self.holders[key] != pp:
+            return (0, 0)  # another stage's parameter
         if self.tp is not None and key not in self.tp.splits and tp_rank != 0:
             return (0, 0)  # replicated over tp: its tp rank 0 saves it
         return self._held(key, dp)
@@ -218,7 +298,7 @@ class Spans:
         if self.tp is None or key not in self.tp.splits:
             return [(a, b - a, 0)]
         dim, parts = self.tp.splits[key]
-        shape, size, tp_rank = self.shapes[key], self.tp.size, self.coords(rank)[1]
+        shape, size, tp_rank = self.shapes[key], self.tp.size, self.coords(rank)[2]
         inner = math.prod(shape[dim + 1:])
         full_d = shape[dim]
         block = full_d // (parts * size)  # rows of dim that stay contiguous: one part's slice on one rank
@@ -362,20 +442,3 @@ def _rng_tensor(read, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> 
         raise CheckpointError(f"{name}: {t.dtype} of shape {list(t.shape)}, not the {dtype} of shape {list(shape)} "
                               "a generator state is")
     return t
-
-
-def refuse_pipeline(state: TrainState, what: str, world_size: int, rank: int) -> None:
-    """Refuse (on every rank alike, before any exchange) a pipeline state checkpoints cannot record yet: one
-    with `shard` or `tensor_parallel` besides (each stage's own layout over dp or tp), or whose pipeline ranks
-    are not the ranks of the world in order."""
-    stages = pipeline_of(state)
-    if stages is None:
-        return
-    if "shard" in state.extras or "tensor_parallel" in state.extras or \
-            (stages.pp, stages.rank) != (world_size, rank):
-        raise ValueError(
-            f"zfunc.io.{what}: this state is split into pipeline stages and also over other ranks (shard or "
-            "tensor_parallel besides pipeline, or pipeline ranks that are not the world's), which checkpoints "
-            "do not record yet. Save full parameters instead: full = step.gather(state) (every rank), then on "
-            "rank 0 safetensors.torch.save_file(full, path), and start from them with "
-            "step.init(zf.TrainState.create(full, tx)).")

@@ -14,11 +14,10 @@ import torch
 from torch import nn
 
 from zfunc.io.commit import LOCK, STALE, STEP_DIR
-from zfunc.io.entries import Spans, TPInfo, escape
+from zfunc.io.entries import Spans, escape
 from zfunc.io.format import DTYPES, LATEST, CheckpointError, dtype_name, progress_bar, write_safetensors
 from zfunc.io.manifest import read_manifest
 from zfunc.io.reader import check_entries, check_files, locate, open_ranks
-from zfunc.transforms.shard_layout import ShardLayout
 
 AliasChoice = Literal["recorded", "none"]
 
@@ -62,9 +61,7 @@ def consolidate(directory: str | os.PathLike, out: str | os.PathLike, dtype: tor
     out = _output(Path(out), Path(directory), step_dir)
     check_files(step_dir, manifest)
     shapes = {k: tuple(s) for k, s in manifest["params"].items()}
-    layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")),
-                  (manifest.get("pipeline") or {}).get("holders"))
+    spans = Spans.of_manifest(manifest)  # (any layout: shard over dp, pipeline stages, tensor-parallel shards)
     group = manifest["weights"]
     if group not in manifest["groups"] and shapes:
         raise CheckpointError(f"{step_dir}: corrupt manifest: its weights {group!r} are not among its groups")

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 FORMAT = "zfunc-checkpoint"
-FORMAT_VERSION = 3  # the newest this zfunc reads. 2: manifest.sha256, ties, latest records the manifest's digest;
-#                    3: a section of how the state is split beyond shard: "tensor_parallel" (the tp split and each
-#                    rank's (dp, tp) coordinates) or "pipeline" (the rank holding each parameter)
+FORMAT_VERSION = 4  # the newest this zfunc reads. 2: manifest.sha256, ties, latest records the manifest's digest;
+#                    3: one section of how the state is split beyond shard: "tensor_parallel" (the tp split and each
+#                    rank's (dp, tp) coordinates) or "pipeline" (the rank holding each parameter); 4: "mesh" (the
+#                    dp x pp x tp sizes and each rank's coordinates) with either section or both
 WRITTEN_VERSION = 2  # what a save writes, unless the state is split by tensor_parallel or pipeline:
-SECTIONED_VERSION = 3
-SECTIONS = ("tensor_parallel", "pipeline")  # the optional manifest sections of format 3
+MESH_VERSION = 4
+SECTIONS = ("tensor_parallel", "pipeline")  # the optional manifest sections of formats 3 and 4
 MANIFEST = "manifest.json"
 LATEST = "latest"
 CHUNK = 64 << 20          # bytes per write/read/hash piece of a large tensor

@@ -46,7 +46,6 @@ from zfunc.io.manifest import read_manifest
 from zfunc.io.ranks import exchange, raise_if_failed
 from zfunc.io.reader import check_entries, check_files, locate, open_ranks
 from zfunc.state import TrainState
-from zfunc.transforms.shard_layout import ShardLayout
 
 GENERATION = "generation_config.json"
 WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
@@ -261,8 +260,7 @@ class _CheckpointSource:
         self.manifest = m = read_manifest(step_dir)
         check_files(step_dir, m)
         self.shapes = {k: tuple(s) for k, s in m["params"].items()}
-        layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
-        self.spans = Spans(layout, self.shapes)
+        self.spans = Spans.of_manifest(m)  # (any layout: shard over dp, pipeline stages, tensor-parallel shards)
         self.group = m["weights"]
         holders = [s for s in range(m["world_size"]) if any(self.spans.span(k, s)[1] > self.spans.span(k, s)[0]
                                                               for k in self.shapes)]
@@ -285,8 +283,8 @@ class _CheckpointSource:
             name = f"{self.group}/{escape(key)}"
             for s, f in self.files.items():
                 a, b = self.spans.span(key, s)
-                if b > a:
-                    f.file_of(name).read_into(name, 0, flat[a:b])
+                for start, count, offset in self.spans.runs(key, s, a, b):  # (one run each without tp)
+                    f.file_of(name).read_into(name, offset, flat[start:start + count])
             return _cast(full, dtype)
 
         return [_Tensor(n, _out_dtype(stored[k], dtype), self.shapes[k], lambda k=k: make(k))

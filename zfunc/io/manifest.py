@@ -59,8 +59,10 @@ COMMON_FIELDS = ("format", "format_version", "zfunc_version", "torch_version", "
                  "stage", "layout", "params", "weights", "groups", "leaves", "files")
 # What each format version's manifest holds. Format 3 adds one of the `SECTIONS`: "tensor_parallel" (a state
 # split by `tensor_parallel`: its split and each rank's (dp, tp) coordinates) or "pipeline" (a `pipeline`
-# state: the rank holding each parameter, the rank of its stage).
-FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"), 3: (*COMMON_FIELDS, "ties")}
+# state: the rank holding each parameter, the rank of its stage). Format 4 adds "mesh" (the sizes of dp, pp
+# and tp, each rank's coordinates) and allows either section or both (tp without coords, pipeline holders
+# by pipeline rank).
+FIELDS = {1: COMMON_FIELDS, 2: (*COMMON_FIELDS, "ties"), 3: (*COMMON_FIELDS, "ties"), 4: (*COMMON_FIELDS, "ties", "mesh")}
 
 
 def rank_file(rank: int, part: int = 0) -> str:
@@ -230,7 +232,7 @@ def validate(m: dict, path: Path) -> None:
     f = Fields(path)
     version = m["format_version"]
     f.record(m, "(the manifest)", FIELDS[version], optional=SECTIONS if version >= 3 else ())
-    if version >= 3:
+    if version == 3:
         present = [k for k in SECTIONS if k in m]
         if len(present) != 1:
             raise f.fail("(the manifest)", f"a format-3 manifest has one of {' or '.join(map(repr, SECTIONS))}; this "
@@ -241,8 +243,10 @@ def validate(m: dict, path: Path) -> None:
     world = f.integer(m["world_size"], "world_size", 1, MAX_RANKS)
     stage = f.integer(m["stage"], "stage", 0, 3)
     params = {k: f.shape(v, f"params[{k!r}]") for k, v in f.mapping(m["params"], "params").items()}
-    tp = _validate_tensor_parallel(f, m["tensor_parallel"], world, params, m["layout"]) if "tensor_parallel" in m else None
-    _validate_layout(f, m["layout"], stage, world // (tp or 1), _local_shapes(params, m, tp))
+    dims = _validate_mesh(f, m, world, stage) if version >= 4 else None
+    tp = _validate_tensor_parallel(f, m["tensor_parallel"], world, params, m["layout"], dims) \
+        if "tensor_parallel" in m else None
+    _validate_layout(f, m["layout"], stage, dims[0] if dims else world // (tp or 1), _local_shapes(params, m, tp))
     groups = f.mapping(m["groups"], "groups")
     described = 0  # bytes of tensors the manifest says its files hold
     for name, group in groups.items():
@@ -262,7 +266,7 @@ def validate(m: dict, path: Path) -> None:
     if version >= 2:
         _validate_ties(f, m["ties"], params)
     if "pipeline" in m:
-        _validate_pipeline(f, m["pipeline"], world, params, stage)
+        _validate_pipeline(f, m["pipeline"], world, params, stage, dims)
     held = _validate_files(f, m["files"], world)
     if described > held:
         raise CheckpointError(f"{path}: corrupt or crafted: its shapes describe {described} bytes of tensors, but "
@@ -278,14 +282,39 @@ def _local_shapes(params: dict[str, tuple[int, ...]], m: dict, tp: int | None) -
             for k, s in params.items()}
 
 
+def _validate_mesh(f: Fields, m: dict, world: int, stage: int) -> tuple[int, int, int]:
+    """The mesh of a format-4 manifest: sizes whose product is the world size, each rank's (dp, pp, tp)
+    coordinates in range, each place once, a section for each dimension beyond 1 (and none for a dimension
+    of 1), a layout exactly when sharded. Returns the sizes ``(dp, pp, tp)``."""
+    mesh = f.record(m["mesh"], "mesh", ("dp", "pp", "tp", "coords"))
+    dims = tuple(f.integer(mesh[d], f"mesh.{d}", 1, MAX_RANKS) for d in ("dp", "pp", "tp"))
+    if math.prod(dims) != world:
+        raise f.fail("mesh", f"is dp{dims[0]} x pp{dims[1]} x tp{dims[2]}, not the world size {world}")
+    seen = set()
+    for r, c in enumerate(f.array(mesh["coords"], "mesh.coords", world)):
+        place = tuple(f.integer(x, f"mesh.coords[{r}][{i}]", 0, n - 1)
+                      for i, (x, n) in enumerate(zip(f.array(c, f"mesh.coords[{r}]", 3), dims)))
+        if place in seen:
+            raise f.fail(f"mesh.coords[{r}]", f"repeats {list(place)}")
+        seen.add(place)
+    for name, size in (("tensor_parallel", dims[2]), ("pipeline", dims[1])):
+        if (name in m) != (size > 1):
+            raise f.fail("mesh", f"has {'tp' if name == 'tensor_parallel' else 'pp'}={size}, but the manifest "
+                                 f"{'has' if name in m else 'lacks'} a {name!r} section")
+    if stage == 0 and dims[0] != 1:
+        raise f.fail("mesh.dp", f"is {dims[0]} for stage-0 (unsharded) state")
+    return dims
+
+
 def _validate_tensor_parallel(f: Fields, tp: Any, world: int, params: dict[str, tuple[int, ...]],
-                              layout: Any) -> int:
-    """The tp record of a format-3 manifest: its size divides the world, each split is (dim, parts) of a
-    parameter the size divides, and every rank has (dp, tp) coordinates in range, each pair once."""
-    f.record(tp, "tensor_parallel", ("size", "splits", "coords"))
+                              layout: Any, dims: tuple[int, int, int] | None) -> int:
+    """The tp record: its size divides the world (format 4: is the mesh's tp), each split is (dim, parts) of
+    a parameter the size divides, and (format 3) every rank has (dp, tp) coordinates in range, each pair once."""
+    f.record(tp, "tensor_parallel", ("size", "splits") if dims else ("size", "splits", "coords"))
     size = f.integer(tp["size"], "tensor_parallel.size", 1, MAX_RANKS)
-    if world % size:
-        raise f.fail("tensor_parallel.size", f"{size} does not divide the world size {world}")
+    if world % size or (dims is not None and size != dims[2]):
+        raise f.fail("tensor_parallel.size", f"{size} does not divide the world size {world}" if world % size
+                     else f"{size} is not the mesh's tp {dims[2]}")
     for key, split in f.mapping(tp["splits"], "tensor_parallel.splits").items():
         where = f"tensor_parallel.splits[{_short(key)}]"
         if key not in params:
@@ -295,6 +324,8 @@ def _validate_tensor_parallel(f: Fields, tp: Any, world: int, params: dict[str, 
         parts = f.integer(parts, f"{where}[1]", 1, MAX_INT)
         if len(params[key]) == 0 or params[key][dim] % (size * parts):
             raise f.fail(where, f"splits dim {dim} of {list(params[key])} in {parts} parts over {size} ranks")
+    if dims is not None:  # (format 4: the coordinates are the mesh's)
+        return size
     coords = f.array(tp["coords"], "tensor_parallel.coords", world)
     dp_world = world // size
     seen = set()
@@ -337,17 +368,22 @@ def _validate_layout(f: Fields, layout: Any, stage: int, world: int, params: dic
         raise f.fail("layout.units", f"leave out parameters {sorted(params.keys() - seen)[:5]}")
 
 
-def _validate_pipeline(f: Fields, pipeline: Any, world: int, params: dict, stage: int) -> None:
+def _validate_pipeline(f: Fields, pipeline: Any, world: int, params: dict, stage: int,
+                       dims: tuple[int, int, int] | None) -> None:
+    """The pipeline record: (format 3) pipeline alone, the world's ranks its ranks; (format 4) the mesh's pp
+    ranks. Every parameter is held by one pipeline rank."""
     f.record(pipeline, "pipeline", ("pp", "holders", "stage_blocks"))
     pp = f.integer(pipeline["pp"], "pipeline.pp", 1, MAX_RANKS)
-    if pp != world or stage != 0:
+    if dims is not None and pp != dims[1]:
+        raise f.fail("pipeline.pp", f"is {pp}, the mesh's pp {dims[1]}")
+    if dims is None and (pp != world or stage != 0):
         raise f.fail("pipeline", f"is for {pp} pipeline ranks of stage-0 state, the manifest for {world} ranks, "
                                  f"stage {stage}")
     holders = f.mapping(pipeline["holders"], "pipeline.holders")
     if holders.keys() != params.keys():
         raise f.fail("pipeline.holders", "must name the rank of exactly the parameters in params")
     for key, rank in holders.items():
-        f.integer(rank, f"pipeline.holders[{_short(key)}]", 0, world - 1)
+        f.integer(rank, f"pipeline.holders[{_short(key)}]", 0, pp - 1)
     for i, blocks in enumerate(f.array(pipeline["stage_blocks"], "pipeline.stage_blocks")):
         for j, block in enumerate(f.array(blocks, f"pipeline.stage_blocks[{i}]")):
             f.string(block, f"pipeline.stage_blocks[{i}][{j}]")

@@ -16,16 +16,16 @@ from zfunc import dist
 from zfunc.interpret import check_alive, forget_copies
 from zfunc.io.commit import PARKED, STEP_DIR
 from zfunc.io.entries import (
+    MESH_ADVICE,
+    Mesh,
     Spans,
     all_shapes,
     apply_rng,
     decode_client_state,
     escape,
     layout_of,
-    TPInfo,
     overlaps,
     read_rng,
-    refuse_pipeline,
     walk,
     weights_path,
 )
@@ -70,21 +70,21 @@ def restore(directory: str | os.PathLike, like: TrainState, step: int | None = N
     if not isinstance(like, TrainState):
         raise TypeError(refusal(like, "zf.io.restore(dir, like=...)"))
     g = dist.Group.resolve(group)
-    refuse_pipeline(like, "restore", g.size, g.rank)
     layout = layout_of(like)
     step_dir = error = None
     try:
         # A consumed template shares its buffers with the state its step returned: restoring into it would
         # overwrite that live state behind the caller's back.
         check_alive(like, "zfunc.io.restore(like=...)")
-        tp = TPInfo.of_state(like, g.rank)
-        if tp is not None and layout is not None and layout.world_size * tp.size != g.size:
-            raise CheckpointError(f"restore: the template is sharded over {layout.world_size} dp ranks x tp "
-                                  f"{tp.size}, but {g.size} ranks restore it; build it with this world's step.init")
-        if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+        mesh = Mesh.of_state(like, g.rank)
+        if mesh.trivial() and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
             raise CheckpointError(f"restore: the template is sharded for rank {layout.rank} of {layout.world_size}, "
                                   f"but this process is rank {g.rank} of {g.size}; build it with this world's "
                                   "step.init")
+        if not mesh.replicated() and mesh.size != g.size:
+            raise CheckpointError(f"restore: the template is split {mesh.describe()} ({mesh.size} ranks: shard over "
+                                  f"dp, pipeline over pp, tensor_parallel over tp), but {g.size} ranks restore it. "
+                                  f"{MESH_ADVICE}")
         step_dir = locate(directory, step)
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
         error = _describe(e, g)
@@ -261,10 +261,8 @@ class _Reader:
                                      {k: torch.empty(s, device="meta") for k, s in saved.items()}, what="checkpoint")
         if problems:
             raise self._fail(f"the checkpoint's parameters differ from the template's:\n{problems}")
-        src_layout = ShardLayout.from_json({**m["layout"], "rank": 0}) if m["layout"] is not None else None
-        self.src = Spans(src_layout, saved, TPInfo.from_json(m.get("tensor_parallel")),
-                         (m.get("pipeline") or {}).get("holders"))
-        dst = Spans(layout, shapes, TPInfo.of_state(like, self.rank))
+        self.src = Spans.of_manifest(m)  # (any saved layout: dp x pp x tp, ...)
+        dst = Spans.of_state(like, self.rank, shapes)  # (... into any other)
         groups, leaves = walk(like)
         source = {p: p for p in groups if p in m["groups"]}
         mine = weights_path(groups)
@@ -480,10 +478,7 @@ def check_entries(manifest: dict, files: dict[int, RankFiles], groups, records: 
     """Every tensor the manifest promises for ``groups`` is in the opened ``files`` with the element count and
     dtype it says (and, with ``records``, rank 0 holds every leaf and each rank's generator states and
     client tensors read back): what `zfunc verify` checks beyond the checksums."""
-    shapes = {k: tuple(s) for k, s in manifest["params"].items()}
-    layout = ShardLayout.from_json({**manifest["layout"], "rank": 0}) if manifest["layout"] is not None else None
-    spans = Spans(layout, shapes, TPInfo.from_json(manifest.get("tensor_parallel")),
-                  (manifest.get("pipeline") or {}).get("holders"))
+    spans = Spans.of_manifest(manifest)
     for path in groups:
         for key, dtype in manifest["groups"][path].items():
             name = f"{path}/{escape(key)}"

@@ -20,7 +20,10 @@ from zfunc._version import VERSION
 from zfunc.interpret import check_alive
 from zfunc.io.commit import SaveLock, commit, prepare
 from zfunc.io.entries import (
+    MESH_ADVICE,
+    Mesh,
     Spans,
+    TPInfo,
     all_shapes,
     capture_rng,
     encode_client_state,
@@ -28,15 +31,13 @@ from zfunc.io.entries import (
     global_shapes,
     holders_of,
     layout_of,
-    TPInfo,
     pipeline_of,
-    refuse_pipeline,
     walk,
     weights_path,
 )
 from zfunc.io.format import (
     FORMAT,
-    SECTIONED_VERSION,
+    MESH_VERSION,
     WRITTEN_VERSION,
     CheckpointError,
     dtype_name,
@@ -62,7 +63,8 @@ class _Plan(NamedTuple):
 
     step: int
     layout: ShardLayout | None
-    tp: TPInfo | None  # this rank's tensor-parallel split (coords: its own)
+    tp: TPInfo | None  # the tensor-parallel split
+    mesh: Mesh  # the state's dp x pp x tp split (coords: this rank's own until every rank's are exchanged)
     tensors: list[tuple[str, torch.Tensor]]
     rng: dict
     client_state: Any
@@ -98,18 +100,25 @@ def save(directory: str | os.PathLike, state: TrainState, client_state: dict | N
         raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
     directory = Path(directory)
     g = dist.Group.resolve(group)
-    refuse_pipeline(state, "save", g.size, g.rank)
     plan = error = None
     try:
         plan = _plan(state, client_state, g)
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits for this one)
         error = f"save: {e}" if isinstance(e, (CheckpointError, TypeError, ValueError)) else \
             f"save: rank {g.rank}: {type(e).__name__}: {e}"
-    coords = plan.tp.coords[g.rank] if plan is not None and plan.tp is not None else None
-    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0, coords], g)
+    place = [plan.mesh.describe(), plan.mesh.coords[g.rank]] if plan is not None else None
+    views = exchange("save", "check", [plan.step if plan else None, error, plan.nbytes if plan else 0, place], g)
     raise_if_failed("save", [v[1] for v in views], g.rank)
-    if plan.tp is not None:  # every rank's (dp, tp) coordinates, for the manifest
-        plan = plan._replace(tp=dataclasses.replace(plan.tp, coords={r: tuple(v[3]) for r, v in enumerate(views)}))
+    if len({v[3][0] for v in views}) != 1:
+        listed = ", ".join(f"rank {r}: {v[3][0]}" for r, v in enumerate(views))
+        raise CheckpointError(f"save: the ranks' states are split differently ({listed}); every rank saves the state "
+                              "its own step of one stack returned")
+    # Every rank's (dp, pp, tp) coordinates, for the manifest: each place of the mesh once.
+    plan = plan._replace(mesh=dataclasses.replace(plan.mesh, coords={r: tuple(v[3][1]) for r, v in enumerate(views)}))
+    if len(set(plan.mesh.coords.values())) != g.size:
+        listed = ", ".join(f"rank {r}: {list(c)}" for r, c in plan.mesh.coords.items())
+        raise CheckpointError(f"save: the ranks' (dp, pp, tp) coordinates in the state's {plan.mesh.describe()} "
+                              f"split repeat ({listed}): the states were not made by one step.init over these ranks")
     steps = [v[0] for v in views]
     if len(set(steps)) != 1:
         listed = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
@@ -166,14 +175,13 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     check_alive(state, "zfunc.io.save")
     step = _step_of(state)
     layout = layout_of(state)
-    tp = TPInfo.of_state(state, g.rank)
-    if tp is None and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
+    mesh = Mesh.of_state(state, g.rank)
+    if mesh.trivial() and layout is not None and (layout.world_size, layout.rank) != (g.size, g.rank):
         raise CheckpointError(f"the state is sharded for rank {layout.rank} of {layout.world_size}, but this "
                               f"process is rank {g.rank} of {g.size}")
-    if tp is not None and (layout.world_size if layout is not None else 1) * tp.size != g.size:
-        raise CheckpointError(f"the state is split over {layout.world_size if layout is not None else 1} dp ranks "
-                              f"x tp {tp.size}, but {g.size} ranks save it (a pipeline mesh dimension is not saved "
-                              "yet)")
+    if not mesh.replicated() and mesh.size != g.size:
+        raise CheckpointError(f"the state is split {mesh.describe()} ({mesh.size} ranks: shard over dp, pipeline "
+                              f"over pp, tensor_parallel over tp), but {g.size} ranks save it. {MESH_ADVICE}")
     for alias, key in state.ties:
         if key not in state.params or alias in state.params:
             raise CheckpointError(f"state.ties has {alias!r} -> {key!r}: a tie names a parameter ({key!r} must be "
@@ -181,8 +189,8 @@ def _plan(state: TrainState, client_state: Any, g: dist.Group) -> _Plan:
     client_json, client_tensors = encode_client_state(client_state)
     json.dumps(client_json)
     rng, rng_tensors = capture_rng()
-    return _Plan(step, layout, tp, _tensors(state, layout, tp, g.rank) + rng_tensors + client_tensors, rng,
-                 client_json, state, pipeline_of(state))
+    return _Plan(step, layout, TPInfo.of_state(state), mesh, _tensors(state, layout, mesh, g.rank) + rng_tensors
+                 + client_tensors, rng, client_json, state, pipeline_of(state))
 
 
 def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: int, nbytes: int) -> list[dict]:
@@ -192,10 +200,13 @@ def _write(tmp: Path, plan: _Plan, g: dist.Group, progress: bool, part_bytes: in
         tmp.mkdir(parents=True, exist_ok=True)
         info = _write_rank(tmp, plan.tensors, g.rank, progress, part_bytes)
         info.update(rng=plan.rng, client_state=plan.client_state)
-        if plan.stages is not None:  # (rank 0 writes the manifest of every stage's groups: taken out there)
+        dp, _, tp = plan.mesh.coords[g.rank]
+        if plan.stages is not None and dp == tp == 0:
+            # One rank of each pipeline rank tells rank 0, which writes the manifest, what its stages hold.
             groups, _ = walk(plan.state)
             info["stage"] = {"groups": {p: {k: dtype_name(t.dtype) for k, t in grp.items()}
-                                        for p, grp in groups.items()}, "ties": [list(t) for t in plan.state.ties]}
+                                        for p, grp in groups.items()}, "ties": [list(t) for t in plan.state.ties],
+                             "units": plan.layout.to_json()["units"] if plan.layout is not None else None}
     except Exception as e:  # noqa: BLE001 (reported to every rank below, so none waits forever)
         error = f"save: rank {g.rank} could not write its files in {tmp}: {type(e).__name__}: {e}"
     results = exchange("save", "write", [info, error], g, io_seconds(nbytes))
@@ -260,32 +271,23 @@ def _step_of(state: TrainState) -> int:
     return step
 
 
-def _tensors(state: TrainState, layout, tp: TPInfo | None, rank: int) -> list[tuple[str, torch.Tensor]]:
-    """What of ``state`` this rank writes: replicated leaves (rank 0) and its slices of param-shaped groups
-    (under tensor_parallel: of its tp shards, the replicated parameters from tp rank 0)."""
+def _tensors(state: TrainState, layout, mesh: Mesh, rank: int) -> list[tuple[str, torch.Tensor]]:
+    """What of ``state`` this rank writes: replicated leaves (rank 0) and, of each param-shaped group, the
+    flat range `Spans.span` gives it: its dp slice (`shard`) of its tp shard (`tensor_parallel`; replicated
+    parameters from tp rank 0 only) of its stages' parameters (`pipeline`). A plain state is the same on
+    every rank: rank 0 writes it, whole."""
     groups, leaves = walk(state)
-    spans = Spans(layout, global_shapes(state, layout), tp)
+    spans = Spans(layout, global_shapes(state, layout), TPInfo.of_state(state), None, mesh)
     tensors: list[tuple[str, torch.Tensor]] = list(leaves.items()) if rank == 0 else []
-    stages = pipeline_of(state)
-    # A plain state is the same on every rank: rank 0 writes it. Under tensor_parallel each rank writes its tp
-    # shards (the replicated parameters: tp rank 0), under pipeline its stages' parameters.
-    if layout is not None or rank == 0 or tp is not None or stages is not None:
-        for path, group in groups.items():
-            for key, t in group.items():
-                if layout is None and tp is None:
-                    tensors.append((f"{path}/{escape(key)}", t))
-                    continue
-                if tp is not None:
-                    a, b = spans.span(key, rank)
-                    if b <= a:
-                        continue
-                    la, _ = spans.local(key, rank, t, f"save {path}")
-                    tensors.append((f"{path}/{escape(key)}", t.detach().reshape(-1)[a - la:b - la]))
-                    continue
-                a, b = spans.span(key, rank)
-                spans.local(key, rank, t, f"save {path}")  # checks t is the whole parameter or this slice
-                flat = t.detach().reshape(-1)  # stage 1/2 params are whole on every rank: save our slice
-                tensors.append((f"{path}/{escape(key)}", flat[a:b] if flat.numel() != b - a else flat))
+    for path, group in groups.items():
+        for key, t in group.items():
+            a, b = spans.span(key, rank)
+            if b <= a:
+                continue
+            la, _ = spans.local(key, rank, t, f"save {path}")  # (checks t is its tp shard or this rank's slice)
+            whole = layout is None and b - a == t.numel()  # (unsharded: in its shape; stage 1/2 params are whole
+            flat = t.detach().reshape(-1)                   # on every rank, of which this rank saves its slice)
+            tensors.append((f"{path}/{escape(key)}", t.detach() if whole else flat[a - la:b - la]))
     return tensors
 
 
@@ -322,11 +324,14 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         layout_json = layout.to_json()
         del layout_json["rank"]
     stage_infos = [info.pop("stage", None) for info in infos]  # (not part of a rank's entry of files)
+    stage_infos = [info for info in stage_infos if info is not None]
     pipeline = None
     groups_json = {path: {k: dtype_name(t.dtype) for k, t in g.items()} for path, g in groups.items()}
     ties = [list(tie) for tie in state.ties]
     if plan.stages is not None:
-        # Every stage's groups and ties, in the model's order; which rank holds each parameter.
+        # Every stage's groups, ties and shard units, in the model's order; which pipeline rank holds each
+        # parameter. The layout is one over the dp ranks whose units are every pipeline rank's: each parameter
+        # is in one unit, of its own stage, and its dp ranges are the same as in that stage's own layout.
         shapes = all_shapes(state, layout)
         groups_json = {path: {k: d for info in stage_infos for k, d in info["groups"][path].items()}
                        for path in groups_json}
@@ -335,6 +340,8 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         ties = [list(t) for t in ties]
         pipeline = {"pp": plan.stages.pp, "holders": holders_of(state),
                     "stage_blocks": [list(b) for b in plan.stages.stage_blocks]}
+        if layout_json is not None:
+            layout_json["units"] = [u for info in stage_infos for u in info["units"]]
     # Version 2 unless the state is split by tensor_parallel or pipeline: what a zfunc without them reads.
     manifest = {
         "format": FORMAT, "format_version": WRITTEN_VERSION, "zfunc_version": VERSION,
@@ -349,8 +356,10 @@ def _manifest(state: TrainState, plan: _Plan, world_size: int, infos: list[dict]
         "ties": ties,
         "files": infos,
     }
-    if plan.tp is not None:
-        manifest.update(format_version=SECTIONED_VERSION, tensor_parallel=plan.tp.to_json())
-    if pipeline is not None:  # (never both: refuse_pipeline refuses a pipeline state with tensor_parallel)
-        manifest.update(format_version=SECTIONED_VERSION, pipeline=pipeline)
+    if not plan.mesh.trivial():  # format 4: the mesh, and the sections of the dimensions beyond dp
+        manifest.update(format_version=MESH_VERSION, mesh=plan.mesh.to_json())
+        if plan.tp is not None:
+            manifest["tensor_parallel"] = plan.tp.to_json()
+        if pipeline is not None:
+            manifest["pipeline"] = pipeline
     return manifest

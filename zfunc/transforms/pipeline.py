@@ -51,8 +51,8 @@ the schedule and reduce each unit's gradient, summed over the micro-batches, onc
 scaling inside: the schedule differentiates the scaled loss, the step's loss is the broadcast mean
 unscaled, the overflow check is ``psum``med over pp too (so every stage skips together, on the device).
 `accumulate` inside: its k gradient calls each run one schedule (``StepContext.differentiate`` stays set
-for the step's gradient calls). `zfunc.io` checkpoints record which rank holds each parameter (restored by
-name into any layout); with shard or tensor_parallel besides, they are refused for now.
+for the step's gradient calls). `zfunc.io` checkpoints record which pipeline rank holds each parameter (and, with shard or
+tensor_parallel besides, each rank's dp and tp coordinates): restored exactly into any layout.
 
 torch's built stages and schedule are structure built once per state and batch shape, kept with the
 state's layout (`pipeline_stage.Schedules`), not on this transform, which holds configuration only.
