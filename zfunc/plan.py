@@ -14,7 +14,8 @@ padding included):
 - model state, exactly, from the stack's declared facts (`zfunc.facts.Facts`)
   and the shard layout: parameters in the compute dtype (stage 3: this rank's
   shards), gradients kept for the update (stages 2 and 3: shards of the reduce
-  dtype; stages 0 and 1: the full gradient; under `accumulate`, its accumulator
+  dtype, or under `offload` on the tier of each unit's optimizer state, where
+  they go as backward makes them; stages 0 and 1: the full gradient; under `accumulate`, its accumulator
   instead, in the accumulation dtype: at stages 2 and 3 each unit's shard on
   the tier of the unit's optimizer state, host memory for NVMe units, and no
   gradient shards beside it; at stages 0 and 1 one full buffer on the GPU
@@ -25,7 +26,9 @@ padding included):
   fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`: shapes and
   dtypes, no memory, any model size), and the peak of the live bytes it
   allocates is taken, with the model's blocks recomputed when the stack
-  recomputes them; one micro-batch at a time, as `accumulate` runs them;
+  recomputes them, leaving out the gradients it returns (counted above,
+  where the stack keeps them); one micro-batch at a time, as `accumulate`
+  runs them (``choose_micro_batches=True``: the fewest micro-batches that fit);
 - buffers, held during a step: at stage 3 the root unit and two block units
   gathered (one in use, one prefetched), a unit's full gradient and its
   reduce-dtype copy in flight (stages 2 and 3 around `pipeline`: the stage's
