@@ -419,6 +419,10 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _aliases_an_input(func):
+            # (a view or detach allocates nothing; fake tensors' views do not always share their base's storage
+            # object, so their storages cannot be matched: counted by what the schema says instead)
+            return out
         for t in tree_leaves(out) if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
@@ -448,6 +452,12 @@ class _LiveBytes(TorchDispatchMode):
                 live += delta
                 peak = max(peak, live)
         return peak
+
+
+def _aliases_an_input(func) -> bool:
+    """Whether an operator's outputs are views of (or the same memory as) one of its inputs, by its schema."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def measure_activations(loss_fn: Callable, batch: Any, params: dict[str, torch.Tensor], dtype: torch.dtype,
