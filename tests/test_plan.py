@@ -184,6 +184,8 @@ def test_plan_cli_on_a_meta_built_model(tmp_path, monkeypatch, capsys):
     assert main(["plan", "planned_model:build", "--batch", "4x8", "--checkpoint", "--offload", "--gpu-gib", "1"]) == 0
     out = capsys.readouterr().out
     assert "memory plan per rank" in out and "activations" in out
+    assert main(["plan", "planned_model:build", "--batch", "4x8", "--choose-micro-batches", "--gpu-gib", "1"]) == 0
+    assert "micro-batches: chose 1 of 4 rows each" in capsys.readouterr().out
     assert main(["plan", "planned_model:build", "--batch", "4by8"]) == 2
     assert "expected BATCHxSEQ" in capsys.readouterr().err
     sys.modules.pop("planned_model", None)

@@ -5,7 +5,7 @@
     zfunc info CKPT_DIR [--step N]          what a checkpoint holds (from its manifest)
     zfunc verify CKPT_DIR [--step N]        check every file of a checkpoint against its checksum and manifest
     zfunc launch [--hostfile H ...] SCRIPT [ARGS]   torchrun on this node for a DeepSpeed hostfile
-    zfunc plan MODULE:FACTORY --batch 8x1024 [--stage 3] [--mixed-precision bf16] [--checkpoint]
+    zfunc plan MODULE:FACTORY --batch 8x1024 [--stage 3] [--mixed-precision bf16] [--checkpoint] [--choose-micro-batches]
                [--offload] [--world-size N] [--gpu-gib G --host-gib H --nvme-gib D]
                                             the memory plan of a stack (model built on the meta device)
 
@@ -113,7 +113,7 @@ def _plan(args: argparse.Namespace) -> int:
     budgets = {f"{t}_bytes": int(getattr(args, f"{t}_gib") * GiB) for t in ("gpu", "host", "nvme")
                if getattr(args, f"{t}_gib") is not None}
     print(plan(step, loss_fn, torch.zeros(batch, seq, dtype=torch.long), params, world_size=args.world_size,
-               **budgets))
+               choose_micro_batches=args.choose_micro_batches, **budgets))
     return 0
 
 
@@ -212,6 +212,8 @@ def parser(prog: str = "zfunc") -> argparse.ArgumentParser:
     pl.add_argument("--mixed-precision", choices=("fp32", "bf16", "fp16"), default="bf16")
     pl.add_argument("--checkpoint", action="store_true", help="recompute the model's blocks in backward")
     pl.add_argument("--offload", action="store_true", help="optimizer state off the GPU (the plan places it)")
+    pl.add_argument("--choose-micro-batches", action="store_true",
+                    help="--batch is one rank's batch for a whole update: choose the fewest micro-batches that fit")
     pl.add_argument("--world-size", type=int, default=1)
     for tier in ("gpu", "host", "nvme"):
         pl.add_argument(f"--{tier}-gib", type=float, default=None, help=f"what the {tier} tier may hold per rank")
