@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +93,22 @@ def test_one_micro_batch_hands_every_unit_to_the_sink_once_per_step(world, stage
         assert len(got["fed"]) == 3 * len(units), got["fed"]  # three steps, each unit once per step
         assert len(units) >= 3  # the blocks with gradients and the root (the frozen block has none)
         for k, v in got["plain"].items():  # the same arithmetic as without offload: equal element-wise
+            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+
+
+def nvme_fp16_sink(nvme_dir: str) -> dict:
+    rank = torch.distributed.get_rank()
+    directory = f"{nvme_dir}/rank{rank}"
+    os.makedirs(directory, exist_ok=True)
+    wrapped = train(lambda s: shard(offload(mixed_precision(s, "fp16"), nvme_fraction=0.5, nvme_dir=directory),
+                                    stage=3), rank=rank)
+    plain = train(lambda s: shard(mixed_precision(s, "fp16"), stage=3), rank=rank)
+    return {"wrapped": wrapped, "plain": plain}
+
+
+def test_one_micro_batch_sink_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
+    for got in run_distributed(nvme_fp16_sink, 2, str(tmp_path)):
+        for k, v in got["plain"].items():
             torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
 
 
