@@ -279,8 +279,11 @@ class HostBuffers:
             return sum(b.numel() * b.element_size() for free in self._free.values() for b in free)
 
 
-def kept_host_buffers(ctx) -> HostBuffers:
-    """The host gradient buffers the running step's stack keeps between its calls."""
+def kept_host_buffers(ctx) -> HostBuffers | None:
+    """The host gradient buffers the running step's stack keeps between its calls (None while torch.compile
+    traces a step: the compiled step's buffers are its graph's)."""
+    if tracing():
+        return None
     return ctx.stack.kept.setdefault("host gradient buffers", HostBuffers())
 
 
