@@ -118,13 +118,15 @@ def plain(model: str, opt: str = "adamw", micro_batches: int = 2) -> dict:
 
 
 def pipelined(model: str, schedule: str = "1F1B", micro_batches: int = 2, opt: str = "adamw", dp: int = 1,
-              pp: int = 2, wrap=None) -> dict:
+              pp: int = 2, wrap=None, offloaded: bool = False, stage: int = 1) -> dict:
     step, state, batch_of = build(model, opt)
     mesh = make_mesh(dp=dp, pp=pp)
     inner = wrap(step) if wrap is not None else step
     pipelined_step = pipeline(inner, schedule=schedule, micro_batches=micro_batches, mesh=mesh)
-    if dp > 1:
-        pipelined_step = shard(pipelined_step, stage=1, mesh=mesh)
+    if offloaded:  # the optimizer state and its update on the host (the CPU here: the pytree update's path)
+        pipelined_step = offload(pipelined_step)
+    if dp > 1 or offloaded:
+        pipelined_step = shard(pipelined_step, stage=stage, mesh=mesh)
     state = pipelined_step.init(state)
     dp_rank = mesh["dp"].get_local_rank()
     keys = sorted(state.params)
@@ -205,6 +207,14 @@ def test_pp2_x_dp2_with_shard_on_a_mesh(references):
     mesh_pp = [0, 1, 0, 1]
     for rank, out in enumerate(outs):
         assert out["keys"] == outs[mesh_pp[rank]]["keys"]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_around_a_pipeline_on_a_mesh(stage, references):
+    # shard(offload(pipeline(...))): each stage's optimizer state on its ranks' hosts, pp2 x dp2, clipping
+    outs = run_distributed(pipelined, 4, "gpt2", "1F1B", 2, "clip", 2, 2, None, True, stage)
+    assert_equivalent(outs, references("gpt2", "clip", 4), dp=2)
+    assert outs[0]["repr"].startswith(f"shard(offload(pipeline(train_step")
 
 
 @pytest.mark.slow
