@@ -272,6 +272,10 @@ def bad_inputs() -> dict:
     except ValueError as err:
         out["stages"] = str(err)
     try:
+        pipeline(step, micro_batches=1)  # 1F1B on 2 stages
+    except ValueError as err:
+        out["one_micro_batch"] = str(err)
+    try:
         pipeline(step, stages=3)
     except ValueError as err:
         out["stages_arg"] = str(err)
@@ -290,6 +294,7 @@ def test_bad_input_is_refused_before_the_first_step():
         assert "4 stages but the model has 3 blocks" in out["stages"]
         assert "runs 2 stages (1 per rank), got stages=3" in out["stages_arg"]
         assert "give mesh= or group=, not both" in out["mesh_and_group"]
+        assert "needs at least as many micro-batches as stages" in out["one_micro_batch"]
     with pytest.raises(ValueError, match="schedule must be one of"):
         pipeline(tiny_lm_step()[2], schedule="1f1b")
     with pytest.raises(ValueError, match="micro_batches must be a positive int"):

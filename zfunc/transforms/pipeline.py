@@ -121,7 +121,8 @@ class pipeline(Transform):  # noqa: N801
       schedule: "1F1B", "gpipe", "interleaved" (torch's ScheduleInterleaved1F1B) or "zero_bubble"
         (ScheduleInterleavedZeroBubble).
       micro_batches: how many equal slices of the batch (dim 0 of every batch tensor) flow through the
-        pipeline per step; at least the number of stages keeps every rank busy.
+        pipeline per step (default: the number of stages, the fewest that keep every rank busy and the
+        fewest "1F1B" accepts).
       mesh: a `zfunc.mesh.make_mesh` mesh (pipeline uses ``mesh["pp"]``); or
       group: the process group of the pipeline ranks (default: the world).
       timeout: seconds to wait for another rank (default ``$ZFUNC_TIMEOUT_S``).
@@ -133,14 +134,16 @@ class pipeline(Transform):  # noqa: N801
     level = 0.75
 
     def __init__(self, step: Callable, stages: int | None = None, schedule: str = "1F1B",
-                 micro_batches: int = 1, mesh: Any = None, group: Any = None, timeout: float | None = None) -> None:
+                 micro_batches: int | None = None, mesh: Any = None, group: Any = None,
+                 timeout: float | None = None) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline: schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {schedule!r}")
         cls_name, per_rank = SCHEDULES[schedule]
         if not hasattr(pipelining, cls_name):
             raise ValueError(f"pipeline: schedule {schedule!r} needs torch.distributed.pipelining.{cls_name}, which "
                              f"torch {torch.__version__} lacks; use '1F1B'")
-        if not isinstance(micro_batches, numbers.Integral) or isinstance(micro_batches, bool) or micro_batches < 1:
+        if micro_batches is not None and (not isinstance(micro_batches, numbers.Integral)
+                                          or isinstance(micro_batches, bool) or micro_batches < 1):
             raise ValueError(f"pipeline: micro_batches must be a positive int, got {micro_batches!r}")
         if mesh is not None:
             if group is not None:
@@ -151,7 +154,7 @@ class pipeline(Transform):  # noqa: N801
             group = mesh_dim(mesh, "pp", "pipeline").get_group()
         super().__init__(step)
         self.mesh, self.group, self.timeout = mesh, group, timeout
-        self.schedule, self.micro_batches = schedule, int(micro_batches)
+        self.schedule = schedule
         pp = self._group().size
         expected = pp * per_rank
         if stages is None:
@@ -160,6 +163,12 @@ class pipeline(Transform):  # noqa: N801
             raise ValueError(f"pipeline: schedule {schedule!r} on {pp} pipeline rank(s) runs {expected} stages "
                              f"({per_rank} per rank), got stages={stages!r}")
         self.stages = int(stages)
+        self.micro_batches = self.stages if micro_batches is None else int(micro_batches)
+        if schedule == "1F1B" and self.micro_batches < self.stages:
+            # (torch's Schedule1F1B refuses it only at the first step, after the state is built)
+            raise ValueError(f"pipeline: schedule '1F1B' needs at least as many micro-batches as stages, got "
+                             f"micro_batches={self.micro_batches} for {self.stages} stages; use "
+                             f"micro_batches>={self.stages} (more shrink the bubble) or schedule='gpipe'")
         self.stack.facts  # noqa: B018 - refuse a stack pipeline cannot run in, at once
 
     def settings(self) -> dict[str, Any]:
