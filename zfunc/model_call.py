@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +28,11 @@ from zfunc.interpret import current
 from zfunc.params_check import check_shapes_and_dtypes
 from zfunc.recompute import recompute
 from zfunc.reparametrize import swapped
+
+T = TypeVar("T")
+# How many objects' derived structures a model keeps per kind (`ModelStructure.derived`): a state's
+# layout lives across steps; a few states of one model (an evaluation copy, a restore) may alternate.
+DERIVED_KEPT = 8
 
 # A block body runs one sub-module on its (local-named) trainable params:
 #     body(block_params: dict[str, Tensor], *args, **kwargs) -> output
@@ -160,6 +165,8 @@ class ModelStructure:
         self._blocks: list[str] | None = None
         self._selections: dict = {}
         self._of_type: dict = {}
+        self._modules: dict[str, nn.Module] = {}
+        self._derived: dict[tuple[str, int], tuple[Any, Any]] = {}
         # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
         self.constant_slots: list | None = None
         # Route the model's blocks now, outside any torch.compile trace (`BlockDispatch`): the blocks
@@ -167,6 +174,30 @@ class ModelStructure:
         self._dispatches: dict[str, BlockDispatch] = {}
         self.route_blocks([name for name in self.blocks()
                            if not isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict))])
+
+    def module(self, name: str) -> nn.Module:
+        """``model.get_submodule(name)``, looked up once per name."""
+        found = self._modules.get(name)
+        if found is None:
+            found = remember(self._modules, name, self.model.get_submodule(name))
+        return found
+
+    def derived(self, what: str, of: Any, build: Callable[[], T]) -> T:
+        """``build()``, found once per kind ``what`` and object ``of`` (by identity: e.g. a state's shard
+        layout, which is immutable): what a transform derives from this model and that object, made once
+        rather than at every call. The entry keeps ``of`` alive, so its identity is never another object's;
+        the last `DERIVED_KEPT` entries of each kind are kept."""
+        key = (what, id(of))
+        entry = self._derived.get(key)
+        if entry is not None:
+            return entry[1]
+        value = build()
+        if not tracing():
+            self._derived[key] = (of, value)
+            same = [k for k in self._derived if k[0] == what]
+            if len(same) > DERIVED_KEPT:
+                del self._derived[same[0]]
+        return value
 
     def route_blocks(self, names: list[str]) -> None:
         """Route these sub-modules' forward through `BlockDispatch` now (see `BlockDispatch.install`)."""
@@ -199,6 +230,16 @@ class ModelStructure:
         found = self._selections.get(key)
         if found is None:
             found = remember(self._selections, key, select_blocks(self.model, modules, self))
+        return found
+
+    def submodules(self, name: str) -> list[tuple[str, nn.Module]]:
+        """``(local prefix, module)`` of block ``name``'s sub-modules (itself first, prefix ``""``; the others
+        ``"attn."``, ...), each module once, in ``named_modules`` order: where its buffers and parameters sit."""
+        found = self._of_type.get((name, None))
+        if found is None:
+            block = self.model.get_submodule(name)
+            found = remember(self._of_type, (name, None),
+                             [(f"{sub}." if sub else "", m) for sub, m in block.named_modules()])
         return found
 
     def submodules_of_type(self, name: str, kind: type) -> list[tuple[str, nn.Module]]:
@@ -449,7 +490,7 @@ def _merge_aliased_blocks(call: ModelCall) -> None:
     first name's wrappers, plus any kind of wrapper only the other names have."""
     first: dict[int, str] = {}
     for name in list(call.block_wrappers):
-        module = call.model.get_submodule(name)
+        module = call.structure.module(name)
         owner = first.setdefault(id(module), name)
         if owner == name:
             continue
@@ -495,7 +536,7 @@ class _BlockOverride:
 
     def __init__(self, call: ModelCall, name: str) -> None:
         self.call, self.name = call, name
-        self.block = call.model.get_submodule(name)
+        self.block = call.structure.module(name)
         if isinstance(self.block, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
@@ -504,6 +545,7 @@ class _BlockOverride:
         self.dispatch = call.structure.dispatch(name)
         self._previous: _BlockOverride | None = None
         self.param_names = call.block_param_names(name)
+        self.submodules = call.structure.submodules(name)
         self.tied = call.structure.block_has_ties(name)
         prefix = f"{name}."
         self.constants = {n[len(prefix):]: t for n, t in call.constants.items() if n.startswith(prefix)}
@@ -516,6 +558,7 @@ class _BlockOverride:
                 if k == kind:
                     body = wrap(name, body)
         self.body = body
+        self.recomputed = any(kind == "around" for kind, _ in wrappers)  # `ModelCall.recomputed`, decided now
         self._inside = False
 
     def _original(self, block_params, args, kwargs):
@@ -538,7 +581,7 @@ class _BlockOverride:
 
     def _wrapped_forward(self, *args, **kwargs):
         block_params = {local: self.call.params[key] for local, key in self.param_names.items()}
-        if tracing() or not self.call.recomputed(self.name):
+        if not self.recomputed or tracing():
             return self.body(block_params, *args, **kwargs)
         before = self._module_state()
         out = self.body(block_params, *args, **kwargs)
@@ -555,11 +598,34 @@ class _BlockOverride:
         return out
 
     def _module_state(self) -> dict[str, tuple[int, int]]:
-        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given."""
-        tensors = dict(self.block.named_buffers())
-        tensors.update(self.constants)
-        tensors.update((n, p) for n, p in self.block.named_parameters() if not p.requires_grad)
-        return {name: (id(t), t._version) for name, t in tensors.items()}
+        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given.
+
+        What ``named_buffers()``, the constants and the ``named_parameters()`` that do not require grad
+        give, read from the sub-modules' slot dicts directly: the module walk is found once per block
+        (`ModelStructure.submodules`), and a buffer registered during the forward is still seen.
+        """
+        marks: dict[str, tuple[int, int]] = {}
+        seen: set[int] = set()
+        for prefix, module in self.submodules:
+            for attr, t in module._buffers.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    marks[prefix + attr] = (id(t), t._version)
+        for name, t in self.constants.items():
+            marks[name] = (id(t), t._version)
+        seen.clear()
+        for prefix, module in self.submodules:
+            for attr, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if type(p) is OutsideItsBlock:
+                    # A stand-in for a sharded parameter (made without grad; never written: a write is
+                    # refused): what its requires_grad and _version report, without its __torch_function__.
+                    marks[prefix + attr] = (id(p), 0)
+                elif not p.requires_grad:
+                    marks[prefix + attr] = (id(p), p._version)
+        return marks
 
     def install(self) -> None:
         self._previous = self.dispatch.active

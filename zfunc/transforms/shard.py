@@ -57,7 +57,7 @@ import numbers
 import re
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
@@ -79,7 +79,7 @@ from zfunc.transforms.shard_layout import (
     merge_units,
     zip_param_shaped,
 )
-from zfunc.transforms.shard_units import Units
+from zfunc.transforms.shard_units import BlockUnit, Units
 from zfunc.tree import tree_leaves, tree_map_tensors
 
 log = logging.getLogger("zfunc.shard")
@@ -398,11 +398,8 @@ class shard(Transform):  # noqa: N801
                 "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
-        if not tracing():
-            # The model sees the blocks' parameters only as 1-D shards here: their full shapes are the layout's.
-            check_layout_shapes(model_call.model, model_call.structure.spec,
-                                ((k, shape) for u in layout.units for k, shape in zip(u.keys, u.shapes)),
-                                f" under {self!r}")
+        plan = model_call.structure.derived("shard.apply", layout,
+                                            lambda: BlockPlan.build(model_call, layout, f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
@@ -418,22 +415,21 @@ class shard(Transform):  # noqa: N801
                 root_written = (first, first._version)
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
-        for block, unit in _wrapped_blocks(model_call, layout).items():
-            local = model_call.block_param_names(block)  # local name -> key
-            recomputed = self.stage == 3 and self.reshard == "recompute"
+        recomputed = self.stage == 3 and self.reshard == "recompute"
+        for block in plan.blocks:
 
-            def wrapper(name, body, unit=unit, local=local, recomputed=recomputed):
-                return units.block_body(unit, local, body, params, full_flats,
-                                        recomputed or model_call.recomputed(name), outside)
+            def wrapper(name, body, block=block):
+                return units.block_body(block, body, params, full_flats, recomputed or model_call.recomputed(name),
+                                        outside)
 
-            model_call.wrap_block(block, wrapper, kind="materialize")
+            model_call.wrap_block(block.name, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
-                refuse_running_statistics(model_call.structure.submodules_of_type(block, _NormBase), repr(self),
-                                          "use reshard='release'" if recomputed else
+                refuse_running_statistics(model_call.structure.submodules_of_type(block.name, _NormBase),
+                                          repr(self), "use reshard='release'" if recomputed else
                                           "differentiate with zf.value_and_grad rather than under torch.func")
-                model_call.require_recompute(block)
+                model_call.require_recompute(block.name)
         model_call.params = new_params
-        model_call.partial_keys = frozenset(k for u in layout.units if u.name != ROOT for k in u.keys)
+        model_call.partial_keys = plan.partial_keys
         model_call.resolve_outside = outside
         out = next(model_call)
         units.finish_call(params, full_flats)
@@ -486,27 +482,45 @@ def _under_torch_func() -> bool:
     return peek is not None and peek() is not None
 
 
+class BlockPlan(NamedTuple):
+    """What `shard.apply` derives from a model and a state's layout, once (`ModelStructure.derived`)."""
+
+    blocks: tuple[BlockUnit, ...]  # the blocks whose forward gathers a unit (`_wrapped_blocks`)
+    partial_keys: frozenset  # the keys the model holds only as shards: every block unit's
+
+    @staticmethod
+    def build(model_call, layout: ShardLayout, where: str) -> "BlockPlan":
+        """The plan, after checking that the layout's full shapes are the model's (the model sees the
+        blocks' parameters only as 1-D shards, so no later check could see a mismatch)."""
+        if not tracing():
+            check_layout_shapes(model_call.model, model_call.structure.spec,
+                                ((k, shape) for u in layout.units for k, shape in zip(u.keys, u.shapes)), where)
+        blocks = tuple(BlockUnit.of(name, unit, model_call.block_param_names(name))
+                       for name, unit in _wrapped_blocks(model_call, layout).items())
+        return BlockPlan(blocks, frozenset(k for u in layout.units if u.name != ROOT for k in u.keys))
+
+
 def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
     """The blocks whose forward gathers a unit: each unit's own module, and every other block of the
     model whose trainable parameters all belong to one unit (the same layer object at two positions).
     A module object is wrapped once, whatever names it has."""
     unit_of = layout.unit_of()
-    model = model_call.model
+    structure = model_call.structure
     wrapped: dict[str, Any] = {}
     seen: set[int] = set()
     for unit in layout.units:
         if unit.name != ROOT:
             wrapped[unit.name] = unit
-            seen.add(id(model.get_submodule(unit.name)))
-    for block in model_call.structure.blocks():
-        if block in wrapped or id(model.get_submodule(block)) in seen:
+            seen.add(id(structure.module(unit.name)))
+    for block in structure.blocks():
+        if block in wrapped or id(structure.module(block)) in seen:
             continue
         owners = {unit_of[k].name for k in model_call.block_param_names(block).values() if k in unit_of}
         if len(owners) == 1 and ROOT not in owners:
             owner = owners.pop()
             if not block.startswith(owner + ".") and not owner.startswith(block + "."):
                 wrapped[block] = layout.unit_of_name(owner)
-                seen.add(id(model.get_submodule(block)))
+                seen.add(id(structure.module(block)))
     return wrapped
 
 

@@ -41,7 +41,8 @@ write would never reach the shards).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+import operator
+from typing import Any, Callable, Literal, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -134,6 +135,30 @@ class UnitViews(torch.autograd.Function):
         return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
 
 
+# `UnitViews.apply` without `torch.autograd.Function.apply`'s Python preamble, which binds nothing here
+# (no ``setup_context``) and walks every argument for a dead torch.func wrapper (the slices are the step's
+# own leaves, made outside any torch.func transform; `Units` takes this route only in "autograd" mode,
+# never inside one): ~20 Python calls per unit and use, on the path of every block.
+_apply_unit_views = super(torch.autograd.Function, UnitViews).apply
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+class BlockUnit(NamedTuple):
+    """A block whose forward gathers a unit: its parameters by local name, split by the unit they
+    belong to (found once per model and layout, `zfunc.transforms.shard.BlockPlan`)."""
+
+    name: str
+    unit: UnitLayout
+    mine: dict[str, str]  # local name -> key, for the unit's own parameters
+    foreign: dict[str, str]  # local name -> key, for parameters of other units (a weight tied across blocks)
+
+    @staticmethod
+    def of(name: str, unit: UnitLayout, local: dict[str, str]) -> "BlockUnit":
+        own = set(unit.keys)
+        return BlockUnit(name, unit, {n: k for n, k in local.items() if k in own},
+                         {n: k for n, k in local.items() if k not in own})
+
+
 class Units:
     """The stage 2/3 unit machinery of one call of `shard` (see the module docstring)."""
 
@@ -152,6 +177,8 @@ class Units:
         self.issued = -1  # this model call's forward gathers: blocks [0, issued] are issued (stage 3)
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
         self.host_data: dict[int, torch.Tensor] = {}  # a stand-in's storage -> its shard on the host
+        # unit -> (the slice tensors it was found from, this rank's flat shard): see `_data`
+        self.flat_shards: dict[str, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         # The call's gradient accumulator (`accumulate`), fed as each unit's reduction lands, and the
         # reductions issued into it that have not landed yet.
         self.sink = None
@@ -183,10 +210,24 @@ class Units:
 
     def _data(self, unit: UnitLayout, slices: dict[str, torch.Tensor]) -> torch.Tensor:
         """``unit``'s flat shard on this rank (`UnitLayout.shard_data`), read from the host where the
-        slices are stand-ins (`on_compute_device`)."""
+        slices are stand-ins (`on_compute_device`).
+
+        Found once per unit and call: a block asks for it when it is gathered and again when the block
+        before it prefetches it (and its recompute in backward once more); the same slice tensors (by
+        identity) give the same buffer, so only their identities are compared the next times. (A
+        concatenated copy, for slices that are not views of one buffer, is made anew each time, as it
+        was: kept for the call it would hold memory.)
+        """
+        tensors = tuple(map(slices.__getitem__, unit.keys))
+        known = self.flat_shards.get(unit.name)
+        if known is not None and all(map(operator.is_, tensors, known[0])):
+            return known[1]
         if self.host_data:
             slices = {k: self.host_data.get(slices[k].untyped_storage().data_ptr(), slices[k]) for k in unit.keys}
-        return unit.shard_data(slices, self.rank)
+        data = unit.shard_data(slices, self.rank)
+        if data.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr():
+            self.flat_shards[unit.name] = (tensors, data)  # (the buffer itself, not a copy)
+        return data
 
     # -- a pass -------------------------------------------------------------------
     def start_pass(self) -> None:
@@ -299,6 +340,7 @@ class Units:
         for buffer in self.released.values():
             buffer.wait()
         self.released.clear()
+        self.flat_shards.clear()
 
     def _use(self, unit: UnitLayout) -> UnitUse:
         use = self.uses.get(unit.name)
@@ -371,7 +413,8 @@ class Units:
                 full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
             else:
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
-        grad = torch.is_grad_enabled() and any(slices[k].requires_grad for k in unit.keys)
+        tensors = tuple(map(slices.__getitem__, unit.keys))
+        grad = torch.is_grad_enabled() and any(map(_requires_grad, tensors))
         counted = phase == "forward" and (grad or recomputed)
         use = self._use(unit) if counted or grad else None
         if counted:
@@ -379,8 +422,7 @@ class Units:
         if not grad:
             return dict(zip(unit.keys, unit.strided_views(full)))
         reducer = Reducer(self, unit, use, buffer)
-        return dict(zip(unit.keys, UnitViews.apply(dist.Holder(full), unit, self.rank, reducer,
-                                                   *(slices[k] for k in unit.keys))))
+        return dict(zip(unit.keys, _apply_unit_views(dist.Holder(full), unit, self.rank, reducer, *tensors)))
 
     def outside(self, params: dict, full_flats: dict | None) -> Callable[[str], torch.Tensor]:
         """key -> the full parameter, for a block's parameter used outside its block (a weight shared with
@@ -420,14 +462,11 @@ class Units:
         return unit.full_views(full)
 
     # -- a block's body -------------------------------------------------------------
-    def block_body(self, unit: UnitLayout, local: dict[str, str], body: Callable, params: dict,
-                   full_flats: dict | None, recomputed: bool,
-                   outside: Callable[[str], torch.Tensor] | None = None) -> Callable:
-        """``body`` (the block's own forward on its params) run on gathered views of ``unit``; a
+    def block_body(self, block: BlockUnit, body: Callable, params: dict, full_flats: dict | None,
+                   recomputed: bool, outside: Callable[[str], torch.Tensor] | None = None) -> Callable:
+        """``body`` (the block's own forward on its params) run on gathered views of its unit; a
         parameter of the block that belongs to another unit (tied across blocks) comes from ``outside``."""
-        own = set(unit.keys)
-        foreign = {n: k for n, k in local.items() if k not in own}
-        mine = {n: k for n, k in local.items() if k in own}
+        unit, mine, foreign = block.unit, block.mine, block.foreign
 
         def gathered_body(block_params: dict, *args, **kwargs):
             slices = {mine[n]: t for n, t in block_params.items() if n in mine}
