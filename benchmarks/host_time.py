@@ -1,6 +1,6 @@
 """Host (Python and dispatcher) time per block of a training step, on the CPU.
 
-    python benchmarks/host_time.py [--stacks floor,s3,s3-checkpoint] [--steps 20] [--profile s3]
+    python benchmarks/host_time.py [--stacks floor,s3,s3-checkpoint] [--steps 20] [--profile s3] [--count]
 
 A GPT-2-medium-shaped model (transformers' GPT2LMHeadModel: 24 blocks, each with
 GPT-2's twelve parameters) at a tiny width (64, 2 heads, 2 x 32 tokens), so its
@@ -19,7 +19,9 @@ Stacks: ``floor`` (the plain model in bf16 with an fp32 master and torch's
 AdamW, as gpt_zero's floor), ``s1``, ``s2``, ``s3`` (``shard(mixed_precision(
 step, "bf16"), stage=N)``), ``s3-checkpoint`` (``shard(checkpoint(
 mixed_precision(step, "bf16")), stage=3)``). ``--profile NAME`` prints
-cProfile's top functions and the Python calls per block of that stack.
+cProfile's top functions and the Python calls per block of that stack; ``--count``
+counts the calls per block and phase instead of timing (the same on every run: a
+measure that other processes on the machine do not disturb).
 """
 
 from __future__ import annotations
@@ -143,6 +145,39 @@ def time_phases(name: str, layers: int, steps: int, warmup: int = 3) -> list[flo
     return [1e3 * min(col) for col in zip(*rows)]
 
 
+def count_calls(name: str, layers: int) -> list[list[int]]:
+    """Python calls and calls of built-in functions (tensor methods, torch ops called from Python) in one
+    step, per phase: ``[[python, builtin] for forward, backward, update]``. Unlike time, the same on every
+    run, whatever else the machine does."""
+    clock = Clock()
+    one = build_floor(layers, clock) if name == "floor" else build_zfunc(name, layers, clock)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    for _ in range(4):  # (past the first forwards, which zfunc watches more closely: zfunc.data_access)
+        one(tokens)
+    counts = [[0, 0] for _ in range(4)]
+    phase = [0]
+    mark = clock.mark
+
+    def marked() -> None:
+        phase[0] += 1
+        mark()
+
+    def tally(frame, event, arg) -> None:
+        if event == "call":
+            counts[phase[0]][0] += 1
+        elif event == "c_call":
+            counts[phase[0]][1] += 1
+
+    clock.mark, phase[0] = marked, -1
+    sys.setprofile(tally)
+    try:
+        one(tokens)
+    finally:
+        sys.setprofile(None)
+        clock.mark = mark
+    return counts[:3]
+
+
 def profile(name: str, layers: int, steps: int) -> None:
     """cProfile's view of ``steps`` steps: the top functions, and Python calls per block and step."""
     clock = Clock()
@@ -169,6 +204,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--stacks", default="floor,s3,s3-checkpoint", help=f"comma-separated, of {', '.join(STACKS)}")
     p.add_argument("--profile", default=None, help="a stack to profile instead of timing")
+    p.add_argument("--count", action="store_true", help="count calls per block instead of timing")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.profile:
@@ -179,6 +215,15 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown stacks {unknown}; choose from {', '.join(STACKS)}")
     half = args.layers // 2
+    if args.count:
+        print(f"# calls per block ({args.layers} vs {half} blocks): Python functions / built-ins (tensor methods, "
+              "torch functions), per phase")
+        print("| stack | forward | backward | update |\n|---|---|---|---|")
+        for name in names:
+            full, short = count_calls(name, args.layers), count_calls(name, half)
+            per = [[(a - b) / (args.layers - half) for a, b in zip(f, h)] for f, h in zip(full, short)]
+            print(f"| {name} | " + " | ".join(f"{py:.0f} / {c:.0f}" for py, c in per) + " |", flush=True)
+        return
     rows = []
     for name in names:
         full = time_phases(name, args.layers, args.steps)

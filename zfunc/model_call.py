@@ -155,6 +155,7 @@ class ModelStructure:
         self._block_names: dict[str, dict[str, str]] = {}
         self._block_ties: dict[str, bool] = {}
         self._outer: dict[tuple, list[tuple[str, str]]] = {}
+        self._inner: dict[tuple, list[tuple[str, str]]] = {}
         self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
         # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
         # used outside its block (`OutsideItsBlock`); provided by the call's transforms.
@@ -292,8 +293,11 @@ class ModelStructure:
 
     def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
         """``(name, key)`` of the trainable names inside the blocks with these ``prefixes``."""
-        outer = set(self.outer_names(prefixes))
-        return [(n, k) for n, k in self.aliases.items() if (n, k) not in outer]
+        inner = self._inner.get(prefixes)
+        if inner is None:
+            outer = set(self.outer_names(prefixes))
+            inner = remember(self._inner, prefixes, [(n, k) for n, k in self.aliases.items() if (n, k) not in outer])
+        return inner
 
     def placeholders(self, keys: frozenset, params: dict) -> dict[str, torch.Tensor]:
         """``{name: placeholder}`` for every trainable name whose key is in ``keys``: a tensor with the
@@ -431,9 +435,9 @@ def run_model_call(call: ModelCall) -> Any:
     prefixes = tuple(f"{name}." for name in call.block_wrappers)
     ctx = current()
     if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx.stack.transforms else ""
+        transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
-                                where)
+                                lambda: f" under {transforms[0]!r}" if transforms else "")
     outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
