@@ -42,7 +42,7 @@ write would never reach the shards).
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Callable, Literal
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -53,6 +53,7 @@ from zfunc.autodiff import apply_function, under_torch_func_or_compile
 from zfunc.compiled import tracing
 from zfunc.interpret import current
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
+from zfunc.transforms.shard_blocks import BlockUnit
 from zfunc.transforms.shard_compiled import unit_views
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
 
@@ -141,22 +142,6 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-
-
-class BlockUnit(NamedTuple):
-    """A block whose forward gathers a unit: its parameters by local name, split by the unit they
-    belong to (found once per model and layout, `zfunc.transforms.shard.BlockPlan`)."""
-
-    name: str
-    unit: UnitLayout
-    mine: dict[str, str]  # local name -> key, for the unit's own parameters
-    foreign: dict[str, str]  # local name -> key, for parameters of other units (a weight tied across blocks)
-
-    @staticmethod
-    def of(name: str, unit: UnitLayout, local: dict[str, str]) -> "BlockUnit":
-        own = set(unit.keys)
-        return BlockUnit(name, unit, {n: k for n, k in local.items() if k in own},
-                         {n: k for n, k in local.items() if k not in own})
 
 
 class Units:
