@@ -175,6 +175,8 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
+    weights = [t for t in params.values() if isinstance(t, torch.Tensor)]
+    weight_versions = [t._version for t in weights]
     runs = [0]
     on_host = any(isinstance(x, _OnHost) for x in flat)
 
@@ -184,6 +186,12 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
             raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
+        if runs[0] and any(t._version != v for t, v in zip(weights, weight_versions)):
+            # What torch's checkpoint says of an argument it saved that changed (the parameters reach the body
+            # by closure, see below): `zfunc.autodiff` names the parameter written.
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               "inplace operation: a parameter of a recomputed block changed between its forward "
+                               "and the recompute in backward")
         runs[0] += 1
         if on_host:
             a, kw = tree_unflatten(spec, [x.load() if isinstance(x, _OnHost) else x for x in flat])
