@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("functional model: values and checks", ("materialize", "params_check", "data_access", "reparametrize")),
     ("the interpreter", ("state_check", "donation", "interpret")),
     ("autodiff", ("autodiff", "recompute")),
-    ("functional model: the call", ("model_call", "blocks", "functional")),
+    ("functional model: the call", ("model_structure", "model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist", "mesh")),
     ("state and optimizers", ("optim", "state")),
     ("transforms", ("transforms",)),

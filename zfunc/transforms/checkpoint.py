@@ -237,7 +237,7 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
 
     def _blocks_of(self, call) -> list[str]:
         """`blocks` of the call's model, found once per model and choice of modules (kept by the model's
-        `zfunc.model_call.ModelStructure.derived`) rather than at every call."""
+        `zfunc.model_structure.ModelStructure.derived`) rather than at every call."""
         chosen = tuple(self.modules) if isinstance(self.modules, list) else self.modules
         found = call.structure.derived("checkpoint.blocks", self,
                                        lambda: (chosen, self.blocks(call.model, call.structure)))

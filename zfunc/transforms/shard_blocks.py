@@ -7,7 +7,7 @@ unit: the same layer object at two positions), which of a block's parameters
 are its unit's and which another's (a weight tied across blocks), and whether
 the layout's full shapes are the model's depend only on the model and the
 state's layout, both immutable: `BlockPlan` holds them, built at the first
-call and kept by the model's `zfunc.model_call.ModelStructure.derived`, so a
+call and kept by the model's `zfunc.model_structure.ModelStructure.derived`, so a
 step's call reads them instead of deriving them again.
 """
 
@@ -38,7 +38,7 @@ class BlockUnit(NamedTuple):
 
 class BlockPlan(NamedTuple):
     """What `zfunc.transforms.shard`'s ``apply`` derives from a model and a state's layout, once (kept by
-    the model's `zfunc.model_call.ModelStructure.derived`)."""
+    the model's `zfunc.model_structure.ModelStructure.derived`)."""
 
     blocks: tuple[BlockUnit, ...]  # the blocks whose forward gathers a unit (`_wrapped_blocks`)
     partial_keys: frozenset  # the keys the model holds only as shards: every block unit's

@@ -411,7 +411,7 @@ class Units:
 
     def outside(self, params: dict, full_flats: dict | None) -> Callable[[str], torch.Tensor]:
         """key -> the full parameter, for a block's parameter used outside its block (a weight shared with
-        another block or a layer outside, `zfunc.model_call.OutsideItsBlock`): its unit's views, made on
+        another block or a layer outside, `zfunc.model_structure.OutsideItsBlock`): its unit's views, made on
         demand (stage 3 gathers the unit then) and counted as one more use of the unit, so its gradient
         joins the unit's one reduction. Within one forward, one use per unit and call."""
         unit_of = self.layout.unit_of()
