@@ -186,7 +186,7 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
             raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
-        if runs[0] and any(t._version != v for t, v in zip(weights, weight_versions)):
+        if runs[0] and [t._version for t in weights] != weight_versions:
             # What torch's checkpoint says of an argument it saved that changed (the parameters reach the body
             # by closure, see below): `zfunc.autodiff` names the parameter written.
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
