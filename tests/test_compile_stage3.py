@@ -5,7 +5,7 @@ The whole-step cases run the same stack eagerly and under ``torch.compile(step, 
 few steps, with zero recompiles. `compile_blocks` keeps the step eager and compiles each block's own
 forward once for all identical blocks: it must equal the eager step exactly (the same ops run on
 the same values) and compile as many graphs whatever the model's depth. The routing of a block's
-forward (`zfunc.model_call.BlockDispatch`, installed once outside any trace) is what lets torch 2.11's
+forward (`zfunc.model_structure.BlockDispatch`, installed once outside any trace) is what lets torch 2.11's
 dynamo trace stage 3; run this file with torch 2.11 as well as the installed torch.
 """
 
@@ -19,7 +19,7 @@ import zfunc as zf
 from tests.models import TinyLM, make_batch, tiny_lm_step
 from tests.shard_cases import local_batch, optimizer, rank_and_world
 from tests.test_compile import check, eager_and_compiled
-from zfunc.model_call import BlockDispatch
+from zfunc.model_structure import BlockDispatch
 from zfunc.transforms import checkpoint, compile_blocks, mixed_precision, offload, shard
 
 WHOLE = {

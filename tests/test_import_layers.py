@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the interpreter: primitives and dispatch", ("primitives",)),
     ("the interpreter: transforms and stacks", ("interpret",)),
     ("autodiff", ("autodiff", "recompute")),
-    ("functional model: the call", ("model_call", "blocks", "functional")),
+    ("functional model: the call", ("model_structure", "model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist", "mesh")),
     ("state and optimizers", ("optim", "state")),
     # The parts of a transform that import no transform (a call flows from the transform down into them).

@@ -100,9 +100,9 @@ def _waits_under_checkpoint(stage: int) -> list:
     events = []
     issue, finish = zdist.Comm.reduce_scatter, zdist.Comm.finish_pending
 
-    def issued(self, full, tag=None):
+    def issued(self, full, tag=None, **kwargs):
         events.append(("issue", tag))
-        return issue(self, full, tag)
+        return issue(self, full, tag, **kwargs)
 
     def finished(self):
         events.append(("wait", len(self.pending)))

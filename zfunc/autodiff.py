@@ -346,3 +346,21 @@ def _check_differentiable(params: Any) -> None:
         if not (leaf.is_floating_point() or leaf.is_complex()):
             raise TypeError(f"value_and_grad: cannot differentiate w.r.t. a {leaf.dtype} tensor")
 
+
+
+_FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what `torch.autograd.Function.apply` ends in
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def apply_function(function: type[torch.autograd.Function], head: tuple, tensors: Any) -> Any:
+    """``function.apply(*head, *tensors)`` for a Function in the ``forward(ctx, ...)`` form (no
+    ``setup_context``), whose tensor arguments are ``tensors`` (any iterable) and come last.
+
+    Outside torch.func transforms, ``Function.apply``'s Python preamble only unwraps dead torch.func
+    wrappers, one generator step per argument; here that is one C call per tensor, and nothing else
+    runs in Python (shard's stage 3 applies three Functions per block per forward, one of them with a
+    tensor per parameter). Inside a transform it is ``function.apply`` itself.
+    """
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*head, *tensors)
+    return _FUNCTION_APPLY.__get__(None, function)(*head, *map(_unwrap_if_dead, tensors))

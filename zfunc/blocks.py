@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 if TYPE_CHECKING:
-    from zfunc.model_call import ModelStructure
+    from zfunc.model_structure import ModelStructure
 
 
 def find_blocks(sizes: dict[str, int]) -> list[str]:

@@ -34,7 +34,7 @@ call, so the eager step is unchanged):
   compiled, the step eager) keeps the eager step's memory.
 
 What needs no other route: a wrapped block's forward is routed by a
-`zfunc.model_call.BlockDispatch` installed once outside any trace, whose
+`zfunc.model_structure.BlockDispatch` installed once outside any trace, whose
 ``active`` attribute dynamo traces like any object's.
 """
 

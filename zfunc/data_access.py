@@ -34,7 +34,7 @@ is not watched.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -80,7 +80,7 @@ class ParamsWatch:
         through ``detach()`` (with ``see_data_writes``), and refuse after it any whose data pointer moved.
         Nothing is kept once the body ends (a gathered block's buffer may be released then)."""
         tensors = {name: t for name, t in params.items() if isinstance(t, torch.Tensor)}
-        pointers = {name: _data_pointer(t) for name, t in tensors.items()}
+        pointers = _data_pointers(tensors.values())
         if self.mode is not None:
             added = [i for i in map(id, tensors.values()) if i not in self.mode.watched]
             self.mode.watched.update(added)
@@ -89,7 +89,8 @@ class ParamsWatch:
         finally:
             if self.mode is not None:
                 self.mode.watched.difference_update(added)
-        moved = [name for name, t in tensors.items() if pointers[name] is not None and _data_pointer(t) != pointers[name]]
+        moved = [name for name, before, after in zip(tensors, pointers, _data_pointers(tensors.values()))
+                 if before is not None and after != before]
         if moved:
             raise RuntimeError(
                 f"the model's forward assigns {where}{moved[0]}.data = ...{' (and ' + str(len(moved) - 1) + ' more)' if len(moved) > 1 else ''}: "
@@ -106,6 +107,21 @@ class ParamsWatch:
     def __exit__(self, *exc: Any) -> None:
         if self.mode is not None:
             self.mode.__exit__(*exc)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _data_pointers(tensors: Iterable[torch.Tensor]) -> list[int | None]:
+    """`_data_pointer` of each tensor: a plain one's read in one comprehension (this runs for every
+    parameter of every block in every forward; a Python call each cost more than the reads)."""
+    tensors = list(tensors)
+    try:
+        return [(t.data_ptr() if not _wrapped(t) else _data_pointer(t)) if type(t) in _PLAIN else None
+                for t in tensors]
+    except RuntimeError:  # a plain tensor without storage: the careful way, one by one
+        return [_data_pointer(t) for t in tensors]
 
 
 def _data_pointer(t: torch.Tensor) -> int | None:

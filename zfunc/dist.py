@@ -163,9 +163,12 @@ class Comm:
         self._note("all_gather", tag, shard.numel())
         return Prefetch(self, shard, out, tag)
 
-    def reduce_scatter(self, full: torch.Tensor, tag=None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def reduce_scatter(self, full: torch.Tensor, tag=None, dtype: torch.dtype | None = None,
+                       owned: bool = False) -> torch.Tensor:
         """This rank's 1/N slice of the mean over ranks of 1-D ``full`` (not differentiable), in ``dtype``
-        (default: ``full``'s; the reduction itself runs in the reduce dtype).
+        (default: ``full``'s; the reduction itself runs in the reduce dtype). ``owned``: the caller hands
+        ``full`` over (nothing else reads or writes it later), so at world size 1 it is the result itself
+        rather than a copy.
 
         With ``overlap`` it is asynchronous: the caller gets the result now and
         must not read it before `finish_pending` (shard reads gradients only
@@ -178,7 +181,7 @@ class Comm:
         group = self.group
         self._note("reduce_scatter", tag, full.numel())
         if group.size == 1:
-            return full.clone()
+            return full if owned and dtype in (None, full.dtype) else full.clone()
         send = full if self.reduce_dtype in (None, full.dtype) else full.to(self.reduce_dtype)  # e.g. bf16 in fp32
         placed = group.place(send).contiguous()
         size = full.numel() // group.size

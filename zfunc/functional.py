@@ -46,10 +46,9 @@ from zfunc.model_call import (  # noqa: F401 (re-exported)
     BlockBody,
     BlockWrapper,
     ModelCall,
-    ModelStructure,
-    OutsideItsBlock,
     run_model_call,
 )
+from zfunc.model_structure import ModelStructure, OutsideItsBlock  # noqa: F401 (re-exported)
 from zfunc.params_check import check_shapes_and_dtypes, refuse_other_keys
 from zfunc.primitives import dispatch
 from zfunc.step_context import current
@@ -92,7 +91,7 @@ class FunctionalModel:
     def route_blocks(self, names: list[str]) -> None:
         """Prepare sub-modules other than the model's blocks (``find_blocks``) that a transform will
         wrap (``checkpoint(modules=[...])``, ``shard(units=[...])``) for a first call under
-        torch.compile: their forward is routed once, outside the trace (`zfunc.model_call.BlockDispatch`;
+        torch.compile: their forward is routed once, outside the trace (`zfunc.model_structure.BlockDispatch`;
         an eager call does this by itself)."""
         self.structure.route_blocks(names)
 

@@ -66,7 +66,7 @@ class Materializer:
 
     Args:
       model: the module, built on the meta device.
-      aliases: ``{qualified trainable name: key}`` (`zfunc.model_call.ModelStructure.aliases`).
+      aliases: ``{qualified trainable name: key}`` (`zfunc.model_structure.ModelStructure.aliases`).
       init: the initializer.
     """
 

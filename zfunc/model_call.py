@@ -2,29 +2,26 @@
 
 A `ModelCall` is what the ``apply`` primitive carries through the transforms
 (the module, the params and arguments, the block wrappers transforms add);
-`ModelStructure` is what depends only on the module and is found once (a
-block's parameter names, the slots `zfunc.reparametrize` swaps, the frozen
-tensors); `run_model_call` is the plain implementation at the bottom of the
-stack: the module run with its params swapped in, each wrapped block's
-``forward`` routed through its wrappers (`_BlockOverride`). `OutsideItsBlock`
-stands in, outside its block, for a block parameter a transform holds only as
-a shard.
+`run_model_call` is the plain implementation at the bottom of the stack: the
+module run with its params swapped in, each wrapped block's ``forward`` routed
+through its wrappers (`_BlockOverride`, handed the block's calls by its
+`zfunc.model_structure.BlockDispatch`). What depends only on the module is
+found once, in `zfunc.model_structure.ModelStructure`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from typing import Any, Callable, Literal
 
 import torch
 from torch import nn
 
-from zfunc.blocks import find_blocks, select_blocks
-from zfunc.compiled import remember, tracing
-from zfunc.data_access import DataReadHistory, ParamsWatch
+from zfunc.compiled import tracing
+from zfunc.data_access import ParamsWatch
 from zfunc.interpret import current
+from zfunc.model_structure import ModelStructure, OutsideItsBlock
 from zfunc.params_check import check_shapes_and_dtypes
 from zfunc.recompute import recompute
 from zfunc.reparametrize import swapped
@@ -119,253 +116,6 @@ class ModelCall:
         return self.structure.block_param_names(name)
 
 
-class ModelStructure:
-    """What depends only on a module's structure, found once per model and kept across calls.
-
-    Each lookup walks modules, which would otherwise happen per block per
-    forward. Filled lazily; every entry is a pure function of the module tree
-    as it was when `functional` was called (a concurrent fill computes the
-    same value).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.aliases: dict[str, str] = {}
-        canonical_of: dict[int, str] = {}
-        self.trainable: list[tuple[str, dict, str, torch.Tensor]] = []  # (name, owner's _parameters, attr, tensor)
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            for attr, p in module._parameters.items():
-                if p is not None and p.requires_grad:
-                    name = f"{prefix}.{attr}" if prefix else attr
-                    self.aliases[name] = canonical_of.setdefault(id(p), name)
-                    self.trainable.append((name, module._parameters, attr, p))
-        self.keys = frozenset(self.aliases.values())
-        # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against.
-        self.spec = {name: (p.shape, p.dtype) for name, _, _, p in self.trainable if self.aliases[name] == name}
-        self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
-        # The module is one object shared by every call: swapping tensors into its slots (and a
-        # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
-        # recompute in backward takes it again (possibly from autograd's own thread).
-        self._lock = threading.RLock()
-        self._block_names: dict[str, dict[str, str]] = {}
-        self._block_ties: dict[str, bool] = {}
-        self._outer: dict[tuple, list[tuple[str, str]]] = {}
-        self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
-        # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
-        # used outside its block (`OutsideItsBlock`); provided by the call's transforms.
-        self.outside: Callable[[str], torch.Tensor] | None = None
-        # While a call runs: what watches changes through `.data` of its parameters (`zfunc.data_access`).
-        self.data_watch: ParamsWatch | None = None
-        self.data_reads = DataReadHistory()
-        self._blocks: list[str] | None = None
-        self._selections: dict = {}
-        self._of_type: dict = {}
-        # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
-        self.constant_slots: list | None = None
-        # Route the model's blocks now, outside any torch.compile trace (`BlockDispatch`): the blocks
-        # transforms wrap by default. Others are routed at the first eager call that wraps them.
-        self._dispatches: dict[str, BlockDispatch] = {}
-        self.route_blocks([name for name in self.blocks()
-                           if not isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict))])
-
-    def route_blocks(self, names: list[str]) -> None:
-        """Route these sub-modules' forward through `BlockDispatch` now (see `BlockDispatch.install`)."""
-        for name in names:
-            self.dispatch(name)
-
-    def dispatch(self, name: str) -> "BlockDispatch":
-        """Sub-module ``name``'s `BlockDispatch` (installed now if it has none; never while dynamo traces)."""
-        found = self._dispatches.get(name)
-        if found is None:
-            found = self._dispatches[name] = BlockDispatch.install(self.model.get_submodule(name), name)
-        return found
-
-    @property
-    def lock(self) -> Any:
-        """The model's reentrant lock (see ``__init__``); a no-op while torch.compile traces.
-
-        Dynamo cannot trace a lock, and needs none: tracing is serialized by
-        its compile lock, and a compiled step computes on the traced tensors
-        directly. What it still does to the module at run time is put back
-        in each slot the tensor the slot holds (its replay of the swaps,
-        which restored them): compiled steps may run alongside each other,
-        but not alongside an eager step of the same model.
-        """
-        return contextlib.nullcontext() if tracing() else self._lock
-
-    def select(self, modules: Any) -> list[str]:
-        """`select_blocks` for this model, found once per distinct ``modules`` argument."""
-        key = tuple(modules) if isinstance(modules, list) else modules
-        found = self._selections.get(key)
-        if found is None:
-            found = remember(self._selections, key, select_blocks(self.model, modules, self))
-        return found
-
-    def submodules_of_type(self, name: str, kind: type) -> list[tuple[str, nn.Module]]:
-        """``(qualified name, module)`` of block ``name``'s sub-modules of type ``kind`` (itself included)."""
-        found = self._of_type.get((name, kind))
-        if found is None:
-            block = self.model.get_submodule(name)
-            found = remember(self._of_type, (name, kind), [
-                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)])
-        return found
-
-    def blocks(self) -> list[str]:
-        """The model's repeated blocks (`find_blocks` over every parameter, frozen ones included)."""
-        if self._blocks is None:
-            found = find_blocks({n: p.numel() for n, p in self.model.named_parameters(remove_duplicate=False)})
-            if tracing():
-                return found
-            self._blocks = found
-        return self._blocks
-
-    def block_param_names(self, name: str) -> dict[str, str]:
-        """``{local name in block: key in params}`` for a sub-module's trainable params."""
-        names = self._block_names.get(name)
-        if names is None:
-            block = self.model.get_submodule(name)
-            prefix = f"{name}." if name else ""
-            names = {local: self.aliases[prefix + local]
-                     for local, p in block.named_parameters(remove_duplicate=False) if p.requires_grad}
-            remember(self._block_names, name, names)
-        return names
-
-    def block_has_ties(self, name: str) -> bool:
-        """Whether block ``name`` holds one tensor under two names (then swapping its params in
-        must re-tie them, which walks the block's modules; most blocks need not)."""
-        tied = self._block_ties.get(name)
-        if tied is None:
-            block = self.model.get_submodule(name)
-            named = list(block.named_parameters(remove_duplicate=False)) + \
-                list(block.named_buffers(remove_duplicate=False))
-            tied = remember(self._block_ties, name, len({id(t) for _, t in named}) < len(named))
-        return tied
-
-    def outer_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
-        """``(name, key)`` of the trainable names outside the blocks with these ``prefixes``."""
-        outer = self._outer.get(prefixes)
-        if outer is None:
-            outer = remember(self._outer, prefixes,
-                             [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)])
-        return outer
-
-    def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
-        """``(name, key)`` of the trainable names inside the blocks with these ``prefixes``."""
-        outer = set(self.outer_names(prefixes))
-        return [(n, k) for n, k in self.aliases.items() if (n, k) not in outer]
-
-    def placeholders(self, keys: frozenset, params: dict) -> dict[str, torch.Tensor]:
-        """``{name: placeholder}`` for every trainable name whose key is in ``keys``: a tensor with the
-        parameter's shape and the dtype and device of ``params[key]``, holding no data, resolved on use
-        (`OutsideItsBlock`). Built once per set of keys."""
-        sample = params[next(iter(keys))]
-        index = (keys, sample.dtype, sample.device)
-        found = self._placeholders.get(index)
-        if found is None:
-            shapes = {n: p.shape for n, p in self.model.named_parameters(remove_duplicate=False)}
-            found = remember(self._placeholders, index, {
-                name: OutsideItsBlock(name, key, shapes[name], params[key].dtype, params[key].device, self)
-                for name, key in self.aliases.items() if key in keys})
-        return found
-
-    def check_trainable(self) -> None:
-        """Refuse a call after the module's trainable set changed since `functional` was called."""
-        with self.lock:  # another thread's call may have other tensors in the slots right now
-            self._check_trainable()
-
-    def _check_trainable(self) -> None:
-        for name, where, attr, p in self.trainable:
-            # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
-            # is only a template); what matters is that it still trains.
-            now = where.get(attr)
-            if not p.requires_grad or (now is not None and not now.requires_grad):
-                raise ValueError(
-                    f"the module's parameter {name!r} had requires_grad set to False after "
-                    "zf.functional(model), which has no effect: "
-                    "which parameters train is fixed when functional() is called (the params dict and the "
-                    "optimizer state hold exactly those). To freeze it, set requires_grad=False before calling "
-                    "zf.functional(model) and build a new state from its params (restore the weights with "
-                    "zfunc.io.restore(..., strict=False) if you are resuming).")
-
-
-class OutsideItsBlock(torch.Tensor):
-    """What a sharded block's parameter is outside its block during a call (see `run_model_call`).
-
-    It reports the parameter's shape, dtype and device (code that only reads
-    ``model.dtype`` or ``model.device`` keeps working) and holds no data. When
-    code outside the block computes with it (a weight shared with a layer
-    outside the block; ``F.linear(h, model.blocks[0].weight)`` after the
-    blocks ran: DeepSpeed's "external parameter"), it is swapped for the full
-    parameter then and there (`ModelStructure.outside`, which the running
-    call's transform provides: `shard` gathers the unit, its gradient flows
-    back into the unit's reduction). Without such a provider (a use after the
-    call ended) it is a clear error.
-    """
-
-    @staticmethod
-    def __new__(cls, name: str, key: str, shape, dtype, device, structure: "ModelStructure"):
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device)
-        t.param_name, t.key, t.structure = name, key, structure
-        return t
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "__get__" or func in _METADATA:  # shape, dtype, device, ...
-            return super().__torch_function__(func, types, args, kwargs)
-        found = _first_outside((args, kwargs))
-        resolve = found.structure.outside if found is not None else None
-        if resolve is None:
-            _refuse_outside(found, getattr(func, "__name__", str(func)))
-        args, kwargs = _swap_outside((args, kwargs), resolve)
-        return func(*args, **kwargs)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        _refuse_outside(_first_outside((args, kwargs or {})), func.__name__)
-
-    def __repr__(self) -> str:  # noqa: D105
-        return f"OutsideItsBlock({self.param_name}, shape={tuple(self.shape)}, dtype={self.dtype})"
-
-
-_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
-             torch.Tensor.element_size, torch.Tensor.__repr__, torch.Tensor.__format__}
-
-
-def _first_outside(tree: Any) -> OutsideItsBlock | None:
-    if isinstance(tree, OutsideItsBlock):
-        return tree
-    if isinstance(tree, (list, tuple)):
-        return next((f for f in map(_first_outside, tree) if f is not None), None)
-    if isinstance(tree, dict):
-        return next((f for f in map(_first_outside, tree.values()) if f is not None), None)
-    return None
-
-
-def _swap_outside(tree: Any, resolve: Callable[[str], torch.Tensor]) -> Any:
-    if isinstance(tree, OutsideItsBlock):
-        return resolve(tree.key)
-    if isinstance(tree, tuple) and not hasattr(tree, "_fields"):
-        return tuple(_swap_outside(x, resolve) for x in tree)
-    if isinstance(tree, list):
-        return [_swap_outside(x, resolve) for x in tree]
-    if isinstance(tree, dict):
-        return {k: _swap_outside(v, resolve) for k, v in tree.items()}
-    return tree
-
-
-def _refuse_outside(found: OutsideItsBlock | None, op: str):
-    name = found.param_name if found is not None else "a block parameter"
-    raise RuntimeError(
-        f"{name} is used outside its block ({op}) when no step is gathering it: under shard(stage=2|3) a block's "
-        "parameters exist whole only while a step runs the model (or under a torch.func transform, where they "
-        "cannot be gathered on demand). Compute with it inside the loss function (apply_fn's call), or keep the "
-        f"block in the root unit (shard(..., units=[...]) without {name.rpartition('.')[0]!r}).")
-
-
 # --------------------------------------------------------------------------
 # The plain implementation of the ``apply`` primitive.
 
@@ -390,9 +140,9 @@ def run_model_call(call: ModelCall) -> Any:
     prefixes = tuple(f"{name}." for name in call.block_wrappers)
     ctx = current()
     if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx.stack.transforms else ""
+        transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
-                                where)
+                                lambda: f" under {transforms[0]!r}" if transforms else "")
     outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
@@ -449,7 +199,7 @@ def _merge_aliased_blocks(call: ModelCall) -> None:
     first name's wrappers, plus any kind of wrapper only the other names have."""
     first: dict[int, str] = {}
     for name in list(call.block_wrappers):
-        module = call.model.get_submodule(name)
+        module = call.structure.module(name)
         owner = first.setdefault(id(module), name)
         if owner == name:
             continue
@@ -495,7 +245,7 @@ class _BlockOverride:
 
     def __init__(self, call: ModelCall, name: str) -> None:
         self.call, self.name = call, name
-        self.block = call.model.get_submodule(name)
+        self.block = call.structure.module(name)
         if isinstance(self.block, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
@@ -504,6 +254,7 @@ class _BlockOverride:
         self.dispatch = call.structure.dispatch(name)
         self._previous: _BlockOverride | None = None
         self.param_names = call.block_param_names(name)
+        self.submodules = call.structure.submodules(name)
         self.tied = call.structure.block_has_ties(name)
         prefix = f"{name}."
         self.constants = {n[len(prefix):]: t for n, t in call.constants.items() if n.startswith(prefix)}
@@ -516,6 +267,7 @@ class _BlockOverride:
                 if k == kind:
                     body = wrap(name, body)
         self.body = body
+        self.recomputed = any(kind == "around" for kind, _ in wrappers)  # `ModelCall.recomputed`, decided now
         self._inside = False
 
     def _original(self, block_params, args, kwargs):
@@ -538,7 +290,7 @@ class _BlockOverride:
 
     def _wrapped_forward(self, *args, **kwargs):
         block_params = {local: self.call.params[key] for local, key in self.param_names.items()}
-        if tracing() or not self.call.recomputed(self.name):
+        if not self.recomputed or tracing():
             return self.body(block_params, *args, **kwargs)
         before = self._module_state()
         out = self.body(block_params, *args, **kwargs)
@@ -555,11 +307,34 @@ class _BlockOverride:
         return out
 
     def _module_state(self) -> dict[str, tuple[int, int]]:
-        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given."""
-        tensors = dict(self.block.named_buffers())
-        tensors.update(self.constants)
-        tensors.update((n, p) for n, p in self.block.named_parameters() if not p.requires_grad)
-        return {name: (id(t), t._version) for name, t in tensors.items()}
+        """``(identity, version)`` of each buffer and frozen parameter the block holds or is given.
+
+        What ``named_buffers()``, the constants and the ``named_parameters()`` that do not require grad
+        give, read from the sub-modules' slot dicts directly: the module walk is found once per block
+        (`ModelStructure.submodules`), and a buffer registered during the forward is still seen.
+        """
+        marks: dict[str, tuple[int, int]] = {}
+        seen: set[int] = set()
+        for prefix, module in self.submodules:
+            for attr, t in module._buffers.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    marks[prefix + attr] = (id(t), t._version)
+        for name, t in self.constants.items():
+            marks[name] = (id(t), t._version)
+        seen.clear()
+        for prefix, module in self.submodules:
+            for attr, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if type(p) is OutsideItsBlock:
+                    # A stand-in for a sharded parameter (made without grad; never written: a write is
+                    # refused): what its requires_grad and _version report, without its __torch_function__.
+                    marks[prefix + attr] = (id(p), 0)
+                elif not p.requires_grad:
+                    marks[prefix + attr] = (id(p), p._version)
+        return marks
 
     def install(self) -> None:
         self._previous = self.dispatch.active
@@ -571,63 +346,3 @@ class _BlockOverride:
         # params it was given) alive until the next gc. Recomputes still in flight hold their
         # own reference to the body.
         self.body = None
-
-
-class BlockDispatch:
-    """A block's ``forward``, installed once per block and model: the call's override while a call
-    runs (`_BlockOverride`), the block's own ``forward`` otherwise.
-
-    Why once, and not the override itself per call: torch.compile (dynamo 2.11) decides how to call
-    a module from the module's real ``__dict__`` before it applies the writes the traced program has
-    made so far, so a ``forward`` written into the block during the trace was not seen there (the
-    block's own forward ran on the shards). A dispatch installed outside any trace is seen by every
-    version; per call only its ``active`` attribute changes, which dynamo traces like any object's
-    attribute. Outside a call it is invisible: the block runs its class's ``forward``.
-    """
-
-    __slots__ = ("block", "patched", "active")
-
-    def __init__(self, block: nn.Module, patched: Callable | None = None) -> None:
-        self.block = block
-        self.patched = patched  # a forward the user had set on the instance: still what runs outside a call
-        self.active: _BlockOverride | None = None
-
-    def forward(self, *args, **kwargs):
-        active = self.active
-        if active is not None:
-            return active.forward(*args, **kwargs)
-        if self.patched is not None:
-            return self.patched(*args, **kwargs)
-        return type(self.block).forward(self.block, *args, **kwargs)
-
-    def __getstate__(self):
-        return {"block": self.block, "patched": self.patched}
-
-    def __setstate__(self, state) -> None:
-        self.block, self.patched, self.active = state["block"], state["patched"], None
-
-    @staticmethod
-    def of(block: nn.Module) -> "BlockDispatch | None":
-        """The dispatch installed on ``block``, if any."""
-        forward = block.__dict__.get("forward")
-        owner = getattr(forward, "__self__", None)
-        return owner if isinstance(owner, BlockDispatch) else None
-
-    @staticmethod
-    def install(block: nn.Module, name: str) -> "BlockDispatch":
-        """The dispatch of ``block`` (installed now if it has none; never while dynamo traces)."""
-        found = BlockDispatch.of(block)
-        if found is not None:
-            return found
-        if tracing():
-            raise RuntimeError(
-                f"torch.compile reached block {name!r}, which a transform wraps (checkpoint(modules=...), "
-                "shard(units=...)) but which zfunc has not yet routed: zfunc routes a block's forward once, "
-                "outside any trace (at zf.functional() for the model's blocks found by find_blocks, at the "
-                "first eager call for any other). Run one step eagerly before the compiled ones, or call "
-                f"apply_fn.route_blocks([{name!r}]) once before compiling.")
-        dispatch = BlockDispatch(block, block.__dict__.get("forward"))
-        block.forward = dispatch.forward
-        return dispatch
-
-

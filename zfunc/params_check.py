@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -82,13 +82,15 @@ def _refuse_extra(model: nn.Module, aliases: dict[str, str], extra: list, where:
 
 
 def check_shapes_and_dtypes(model: nn.Module, spec: Spec, params: dict, skip: Collection = (),
-                            compute_dtype: torch.dtype | None = None, where: str = "") -> None:
+                            compute_dtype: torch.dtype | None = None, where: str | Callable[[], str] = "") -> None:
     """Refuse a full tensor of ``params`` (keys in ``skip`` aside) whose shape is not the model's, or whose
     dtype is neither ``compute_dtype`` (what the running transforms compute in) nor, without one, the
-    model's parameter's."""
+    model's parameter's. ``where`` (or ``where()``, asked only for an error) says where the call ran."""
     for key, (shape, dtype) in spec.items():
+        if key in skip:
+            continue
         t = params.get(key)
-        if not isinstance(t, torch.Tensor) or key in skip:
+        if not isinstance(t, torch.Tensor):
             continue
         if t.shape != shape:
             hint = (" They look like the 1-D shards of a state under shard(stage=3): evaluate on full "
@@ -96,10 +98,12 @@ def check_shapes_and_dtypes(model: nn.Module, spec: Spec, params: dict, skip: Co
                 len(shape) != 1 else (" The state was built for another configuration of the model (or another "
                                       "model): build it from this model's params (zf.functional(model)), or "
                                       "restore a checkpoint into a template made from them.")
+            where = where() if callable(where) else where
             raise ValueError(f"apply_fn{where}: params[{key!r}] has shape {tuple(t.shape)}, the model's parameter "
                              f"has {tuple(shape)}.{hint}")
         want = compute_dtype if compute_dtype is not None and t.is_floating_point() else dtype
         if t.dtype != want and not _OTHER_DTYPES.get():
+            where = where() if callable(where) else where
             raise ValueError(f"apply_fn{where}: params[{key!r}] is {t.dtype}, but the model computes in {want} "
                              f"here.{_dtype_hint(t.dtype, want, compute_dtype)}")
 

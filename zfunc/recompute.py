@@ -171,27 +171,43 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
     """The eager route: torch's non-reentrant checkpoint around ``body`` (see the module docstring)."""
     from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
 
-    keys = list(params)
     flat, spec = tree_flatten((args, kwargs))
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
+    weights = [t for t in params.values() if isinstance(t, torch.Tensor)]
+    weight_versions = [t._version for t in weights]
     runs = [0]
+    on_host = any(isinstance(x, _OnHost) for x in flat)
 
-    def run(*values):
+    def run(*_):
         if runs[0] and any(t._version != v for t, v in zip(inputs, versions)):
             # torch's checkpoint would silently recompute from the changed values.
             raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
+        if runs[0] and [t._version for t in weights] != weight_versions:
+            # What torch's checkpoint says of an argument it saved that changed (the parameters reach the body
+            # by closure, see below): `zfunc.autodiff` names the parameter written.
+            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
+                               "inplace operation: a parameter of a recomputed block changed between its forward "
+                               "and the recompute in backward")
         runs[0] += 1
-        if any(isinstance(x, _OnHost) for x in flat):
+        if on_host:
             a, kw = tree_unflatten(spec, [x.load() if isinstance(x, _OnHost) else x for x in flat])
-            return body(dict(zip(keys, values)), *a, **kw)
-        return body(dict(zip(keys, values)), *args, **kwargs)
+            return body(dict(params), *a, **kw)
+        return body(dict(params), *args, **kwargs)
 
+    # The body reaches ``params`` by closure (the non-reentrant checkpoint differentiates whatever its forward
+    # used), and torch's checkpoint is handed one of them per device: what it infers the device type and the
+    # devices whose RNG states it replays from. All of them walked its pytree code per argument, ~10 Python
+    # calls per parameter of every recomputed block, in forward and again in backward.
+    per_device: dict = {}
+    for t in params.values():
+        if isinstance(t, torch.Tensor):
+            per_device.setdefault(t.device, t)
     extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(run, *[params[k] for k in keys], use_reentrant=False, preserve_rng_state=True, **extra)
+    return checkpoint(run, *per_device.values(), use_reentrant=False, preserve_rng_state=True, **extra)
 
 
 class _Plan:

@@ -230,11 +230,21 @@ class checkpoint(Transform):  # noqa: N801 (a transform reads like a function)
 
     def apply(self, next, call):
         counts: _Counts = self.call_scratch()
-        for name in self.blocks(call.model, call.structure):
+        for name in self._blocks_of(call):
             refuse_running_statistics(call.structure.submodules_of_type(name, nn.modules.batchnorm._NormBase),
                                       "checkpoint", "leave this block out of modules=")
             call.wrap_block(name, lambda n, body: self._wrapper(body, counts), kind="around")
         return next(call)
+
+    def _blocks_of(self, call) -> list[str]:
+        """`blocks` of the call's model, found once per model and choice of modules (kept by the model's
+        `zfunc.model_structure.ModelStructure.derived`) rather than at every call."""
+        chosen = tuple(self.modules) if isinstance(self.modules, list) else self.modules
+        found = call.structure.derived("checkpoint.blocks", self,
+                                       lambda: (chosen, self.blocks(call.model, call.structure)))
+        if found[0] != chosen:  # (a list of names changed since: found again)
+            return self.blocks(call.model, call.structure)
+        return found[1]
 
     def _wrapper(self, body: Callable, counts: _Counts) -> Callable:
         policy = self.policy

@@ -51,7 +51,7 @@ def _block_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _unchanged(name: str, body: Callable) -> Callable:
     """A wrapper that changes nothing: it makes a block that no other transform wraps go through
-    zfunc's block routing (`zfunc.model_call.BlockDispatch`), which runs ``ModelCall.block_forward``."""
+    zfunc's block routing (`zfunc.model_structure.BlockDispatch`), which runs ``ModelCall.block_forward``."""
     return body
 
 

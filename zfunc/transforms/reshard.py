@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from zfunc import dist
+from zfunc.autodiff import apply_function
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -96,21 +97,22 @@ def around_block(buffer: ReleasedBuffer, body, block_params: dict, args: tuple, 
     ``before_backward()`` runs as this block's backward starts (after its own
     refill): `shard` uses it to prefetch the refill of the block before.
     """
-    (args, kwargs), marked = _through(lambda *t: _ReleaseAfterBackward.apply(buffer, *t), (args, kwargs))
+    (args, kwargs), marked = _through(_ReleaseAfterBackward, (buffer,), (args, kwargs))
     if marked:  # release waits for the inputs' gradients too
         buffer.events_needed = 2
     out = body(block_params, *args, **kwargs)
-    out, _ = _through(lambda *t: _RefillBeforeBackward.apply(buffer, before_backward, *t), out)
+    out, _ = _through(_RefillBeforeBackward, (buffer, before_backward), out)
     buffer.release()
     return out
 
 
-def _through(function, tree: Any) -> tuple[Any, bool]:
-    """``tree`` with its tensors that require grad replaced by ``function(*those)``; whether there were any."""
+def _through(function: type[torch.autograd.Function], head: tuple, tree: Any) -> tuple[Any, bool]:
+    """``tree`` with its tensors that require grad replaced by ``function.apply(*head, *those)``'s outputs;
+    whether there were any."""
     leaves, spec = tree_flatten(tree)
     slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
     if slots:
-        for i, t in zip(slots, function(*[leaves[i] for i in slots])):
+        for i, t in zip(slots, apply_function(function, head, [leaves[i] for i in slots])):
             leaves[i] = t
     return tree_unflatten(spec, leaves), bool(slots)
 

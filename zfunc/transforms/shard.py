@@ -50,13 +50,7 @@ volumes.
 
 from __future__ import annotations
 
-import functools
-import logging
-import math
 import numbers
-import re
-import warnings
-from collections.abc import Mapping
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -66,28 +60,22 @@ from zfunc import dist
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
-from zfunc.params_check import check_layout_shapes
 from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
     ROOT,
     ShardLayout,
-    is_param_shaped,
     make_layout,
     map_param_shaped,
     merge_units,
     zip_param_shaped,
 )
+from zfunc.transforms.shard_blocks import BlockPlan
+from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same_random_stream, warn_about_root
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_units import Units
-from zfunc.tree import tree_leaves, tree_map_tensors
-
-log = logging.getLogger("zfunc.shard")
-
-# A stage-3 root unit holding more than this share of the parameters is gathered whole for the
-# whole step: worth a warning, since it usually means the blocks were not found.
-ROOT_SHARE_WARNING = 0.5
+from zfunc.tree import tree_map_tensors
 
 
 class ShardedParams(dict):
@@ -198,9 +186,9 @@ class shard(Transform):  # noqa: N801
             raise ValueError("shard.init: this state is already sharded; pass the plain state from TrainState.create")
         group = self._group()
         layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
-        _agree_on_structure(self, state, layout, group)
-        state = _from_rank_zero(state, group)
-        _warn_about_root(layout)
+        agree_on_structure(self, state, layout, group)
+        state = from_rank_zero(state, group)
+        warn_about_root(layout)
         placement = self._placement(layout, group)
         keys = set(state.params)
         pieces = []
@@ -218,9 +206,9 @@ class shard(Transform):  # noqa: N801
         more than one unit (and the root unit) of full values."""
         group = self._group()
         layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
-        _agree_on_structure(self, state, layout, group)
-        _same_random_stream(group, torch.device(init_device))
-        _warn_about_root(layout)
+        agree_on_structure(self, state, layout, group)
+        same_random_stream(group, torch.device(init_device))
+        warn_about_root(layout)
         placement = self._placement(layout, group)
         pieces = []
 
@@ -416,11 +404,8 @@ class shard(Transform):  # noqa: N801
                 "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
-        if not tracing():
-            # The model sees the blocks' parameters only as 1-D shards here: their full shapes are the layout's.
-            check_layout_shapes(model_call.model, model_call.structure.spec,
-                                ((k, shape) for u in layout.units for k, shape in zip(u.keys, u.shapes)),
-                                f" under {self!r}")
+        plan = model_call.structure.derived("shard.apply", layout,
+                                            lambda: BlockPlan.build(model_call, layout, f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
@@ -436,22 +421,21 @@ class shard(Transform):  # noqa: N801
                 root_written = (first, first._version)
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
-        for block, unit in _wrapped_blocks(model_call, layout).items():
-            local = model_call.block_param_names(block)  # local name -> key
-            recomputed = self.stage == 3 and self.reshard == "recompute"
+        recomputed = self.stage == 3 and self.reshard == "recompute"
+        for block in plan.blocks:
 
-            def wrapper(name, body, unit=unit, local=local, recomputed=recomputed):
-                return units.block_body(unit, local, body, params, full_flats,
-                                        recomputed or model_call.recomputed(name), outside)
+            def wrapper(name, body, block=block):
+                return units.block_body(block, body, params, full_flats, recomputed or model_call.recomputed(name),
+                                        outside)
 
-            model_call.wrap_block(block, wrapper, kind="materialize")
+            model_call.wrap_block(block.name, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
-                refuse_running_statistics(model_call.structure.submodules_of_type(block, _NormBase), repr(self),
-                                          "use reshard='release'" if recomputed else
+                refuse_running_statistics(model_call.structure.submodules_of_type(block.name, _NormBase),
+                                          repr(self), "use reshard='release'" if recomputed else
                                           "differentiate with zf.value_and_grad rather than under torch.func")
-                model_call.require_recompute(block)
+                model_call.require_recompute(block.name)
         model_call.params = new_params
-        model_call.partial_keys = frozenset(k for u in layout.units if u.name != ROOT for k in u.keys)
+        model_call.partial_keys = plan.partial_keys
         model_call.resolve_outside = outside
         out = next(model_call)
         units.finish_call(params, full_flats)
@@ -504,158 +488,6 @@ def _under_torch_func() -> bool:
     return peek is not None and peek() is not None
 
 
-def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
-    """The blocks whose forward gathers a unit: each unit's own module, and every other block of the
-    model whose trainable parameters all belong to one unit (the same layer object at two positions).
-    A module object is wrapped once, whatever names it has."""
-    unit_of = layout.unit_of()
-    model = model_call.model
-    wrapped: dict[str, Any] = {}
-    seen: set[int] = set()
-    for unit in layout.units:
-        if unit.name != ROOT:
-            wrapped[unit.name] = unit
-            seen.add(id(model.get_submodule(unit.name)))
-    for block in model_call.structure.blocks():
-        if block in wrapped or id(model.get_submodule(block)) in seen:
-            continue
-        owners = {unit_of[k].name for k in model_call.block_param_names(block).values() if k in unit_of}
-        if len(owners) == 1 and ROOT not in owners:
-            owner = owners.pop()
-            if not block.startswith(owner + ".") and not owner.startswith(block + "."):
-                wrapped[block] = layout.unit_of_name(owner)
-                seen.add(id(model.get_submodule(block)))
-    return wrapped
-
-
 def _map_small(tree, keys: set, fn):
     """``tree`` with ``fn`` applied to every tensor but those in its param-shaped dicts (which stay where placed)."""
     return map_param_shaped(tree, keys, lambda d: d, lambda x: fn(x) if isinstance(x, torch.Tensor) else x)
-
-
-def _agree_on_structure(transform: shard, state, layout: ShardLayout, group: dist.Group) -> None:
-    """Every rank must build the same step over the same model: refuse, on every rank, otherwise."""
-    if group.size == 1:
-        return
-    dist.announce(group, "step.init of shard")
-    described = {
-        "the step": without_addresses(transform.agreed_repr()),
-        "the parameter names, in order": list(state.params),
-        "the parameter shapes and dtypes": {k: [list(v.shape), str(v.dtype)] for k, v in state.params.items()},
-        "the units": [[u.name, list(u.keys)] for u in layout.units],
-        "the optimizer state's structure": str(_structure_of(state.opt_state)),
-        "the optimizer's hyperparameters": describe_hyperparams(getattr(state.tx, "hyperparams", None)),
-    }
-    for what, value in described.items():
-        dist.agree(value, group, what)
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def without_addresses(text: str) -> str:
-    """``text`` without the memory addresses of reprs (``<function f at 0x7f..>``): the same code sits at
-    other addresses on each rank's process, so ranks compare what the objects are, not where."""
-    return _ADDRESS.sub("", text)
-
-
-def describe_hyperparams(value: Any, depth: int = 0) -> Any:
-    """A JSON description of an optimizer's hyperparameters that ranks can compare (`dist.agree`):
-    numbers as numbers, nested transformations by their own hyperparameters, functions (schedules,
-    masks) by qualified name and the numbers they close over (a schedule's peak rate lives there)."""
-    if depth > 8:
-        return "..."
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)  # (JSON has no NaN or infinity)
-    if isinstance(value, torch.Tensor):
-        return describe_hyperparams(value.tolist(), depth + 1) if value.numel() <= 64 else \
-            [list(value.shape), str(value.dtype)]
-    if isinstance(value, Mapping):
-        return {str(k): describe_hyperparams(v, depth + 1) for k, v in value.items()}
-    hyperparams = getattr(value, "hyperparams", None)
-    if isinstance(hyperparams, Mapping):  # a nested GradientTransformation
-        return describe_hyperparams(hyperparams, depth + 1)
-    if isinstance(value, (list, tuple)):
-        return [describe_hyperparams(v, depth + 1) for v in value]
-    if isinstance(value, functools.partial):
-        return {"partial": describe_hyperparams(value.func, depth + 1),
-                "args": describe_hyperparams(value.args, depth + 1),
-                "keywords": describe_hyperparams(value.keywords, depth + 1)}
-    if callable(value) and hasattr(value, "__qualname__"):
-        cells = [c.cell_contents for c in getattr(value, "__closure__", None) or () if _filled(c)]
-        closed = [describe_hyperparams(c, depth + 1) for c in cells
-                  if isinstance(c, (bool, int, float, str, torch.Tensor)) or callable(c)]
-        return {"function": f"{getattr(value, '__module__', '?')}.{value.__qualname__}", "closes over": closed}
-    return without_addresses(repr(value))
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a cell not yet assigned
-        return False
-    return True
-
-
-def _structure_of(tree) -> list:
-    return [[list(x.shape), str(x.dtype)] if isinstance(x, torch.Tensor) else repr(x) for x in tree_leaves(tree)]
-
-
-def _from_rank_zero(state, group: dist.Group):
-    """The initial state is rank 0's on every rank, as DDP does: each tensor is broadcast from rank 0.
-
-    Ranks seeded differently before building the model (``seed + rank``) would
-    otherwise train a model spliced from several initializations. A warning
-    says when the values actually differed.
-    """
-    if group.size == 1:
-        return state
-    leaves = [x for x in tree_leaves(state) if isinstance(x, torch.Tensor) and x.numel()]
-    fingerprint = float(sum(float(x.double().sum()) for x in leaves if x.is_floating_point()))
-    fingerprints = dist.all_gather_json(fingerprint, group, "comparing the ranks' initial parameters")
-    if len(set(fingerprints)) > 1:
-        log.warning("shard: the ranks built different initial parameters (e.g. seeded with seed + rank); "
-                    "every rank now starts from rank 0's, as DDP does")
-        if group.rank == 0:
-            warnings.warn("shard.init: ranks had different initial parameters; using rank 0's (as DDP does). "
-                          "Seed every rank alike before building the model to silence this.", stacklevel=3)
-
-    def broadcast(t: torch.Tensor) -> torch.Tensor:
-        if not t.numel():
-            return t
-        placed = group.place(t).contiguous()
-        work = torch.distributed.broadcast(placed, src=torch.distributed.get_global_rank(group.handle, 0)
-                                           if group.handle is not None else 0, group=group.handle, async_op=True)
-        dist.Comm(group).finish(work, "sending rank 0's initial parameters")
-        return placed if placed.device == t.device else placed.to(t.device)
-
-    return tree_map_tensors(broadcast, state)
-
-
-def _same_random_stream(group: dist.Group, device: torch.device) -> None:
-    """Every rank draws a meta-built model's values from rank 0's generator state (ranks seeded with
-    ``seed + rank`` would otherwise build different models)."""
-    if group.size == 1:
-        return
-    cuda = device.type == "cuda"
-    state = torch.cuda.get_rng_state(device) if cuda else torch.get_rng_state()
-    placed = group.place(state.clone())
-    work = torch.distributed.broadcast(placed, src=torch.distributed.get_global_rank(group.handle, 0)
-                                       if group.handle is not None else 0, group=group.handle, async_op=True)
-    dist.Comm(group).finish(work, "sending rank 0's random generator state")
-    if cuda:
-        torch.cuda.set_rng_state(placed.cpu(), device)
-    else:
-        torch.set_rng_state(placed.cpu())
-
-
-def _warn_about_root(layout: ShardLayout) -> None:
-    total = sum(u.numel for u in layout.units)
-    root = sum(u.numel for u in layout.units if u.name == ROOT)
-    if layout.stage == 3 and total and root / total > ROOT_SHARE_WARNING:
-        warnings.warn(
-            f"shard(stage=3): the root unit holds {root / total:.0%} of the parameters and is gathered whole for "
-            f"the whole step ({len(layout.units) - 1} block units were found). If the model has blocks that "
-            "find_blocks did not recognize, name them with shard(..., units=[...]).", stacklevel=3)

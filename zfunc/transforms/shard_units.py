@@ -41,19 +41,21 @@ write would never reach the shards).
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Literal
 
 import torch
+import torch.utils._pytree as torch_pytree
 from torch.distributed.tensor import DTensor
 
 from zfunc import dist
-from zfunc.autodiff import under_torch_func_or_compile
+from zfunc.autodiff import apply_function, under_torch_func_or_compile
 from zfunc.compiled import tracing
 from zfunc.interpret import current
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
+from zfunc.transforms.shard_blocks import BlockUnit
 from zfunc.transforms.shard_compiled import unit_views
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
-from zfunc.tree import tree_flatten, tree_unflatten
 
 
 def in_backward() -> bool:
@@ -95,7 +97,7 @@ class Reducer:
         if self.units.sink is not None:
             self.units.reduce_into_sink(self.unit, grad)
             return FED
-        return self.units.comm.reduce_scatter(grad, self.unit.name)
+        return self.units.comm.reduce_scatter(grad, self.unit.name, owned=True)  # (this use's sum: ours alone)
 
 
 FED = object()  # what a `Reducer` returns when the unit's gradient went into the call's accumulator
@@ -122,16 +124,24 @@ class UnitViews(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         unit = ctx.unit
-        parts = [torch.zeros(n, dtype=ctx.dtype, device=ctx.device) if g is None else g.reshape(-1)
+        parts = [torch.zeros(n, dtype=ctx.dtype, device=ctx.device) if g is None else g
                  for g, n in zip(grads, unit.numels)]
         if unit.padded > unit.numel:
             parts.append(torch.zeros(unit.padded - unit.numel, dtype=ctx.dtype, device=ctx.device))
-        shard = ctx.reducer(torch.cat(parts))
+        shard = ctx.reducer(_flatten(parts))
         if shard is None:
             return (None, None, None, None, *([None] * len(unit.keys)))
         if shard is FED:  # summed where the update reads it: autograd gets zeros that take no memory
             shard = torch.zeros((), dtype=ctx.dtype, device=ctx.device).expand(unit.shard_size)
-        return (None, None, None, None, *unit.shard_views(shard, ctx.rank).values())
+        return (None, None, None, None, *unit.split_shard(shard, ctx.rank).values())
+
+
+# ``torch.cat([t.reshape(-1) for t in tensors])`` in one call from Python: torch's own (DDP's bucket
+# flattening), whose loop over the tensors runs in C++ (each ``reshape`` from Python costs a dispatch).
+_flatten = torch._C._nn.flatten_dense_tensors
+
+
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class Units:
@@ -152,6 +162,8 @@ class Units:
         self.issued = -1  # this model call's forward gathers: blocks [0, issued] are issued (stage 3)
         self.released: dict[str, ReleasedBuffer] = {}  # stage 3 blocks of the latest forward
         self.host_data: dict[int, torch.Tensor] = {}  # a stand-in's storage -> its shard on the host
+        # unit -> (the slice tensors it was found from, this rank's flat shard): see `_data`
+        self.flat_shards: dict[str, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
         # The call's gradient accumulator (`accumulate`), fed as each unit's reduction lands, and the
         # reductions issued into it that have not landed yet.
         self.sink = None
@@ -183,10 +195,24 @@ class Units:
 
     def _data(self, unit: UnitLayout, slices: dict[str, torch.Tensor]) -> torch.Tensor:
         """``unit``'s flat shard on this rank (`UnitLayout.shard_data`), read from the host where the
-        slices are stand-ins (`on_compute_device`)."""
+        slices are stand-ins (`on_compute_device`).
+
+        Found once per unit and call: a block asks for it when it is gathered and again when the block
+        before it prefetches it (and its recompute in backward once more); the same slice tensors (by
+        identity) give the same buffer, so only their identities are compared the next times. (A
+        concatenated copy, for slices that are not views of one buffer, is made anew each time, as it
+        was: kept for the call it would hold memory.)
+        """
+        tensors = tuple(map(slices.__getitem__, unit.keys))
+        known = self.flat_shards.get(unit.name)
+        if known is not None and all(map(operator.is_, tensors, known[0])):
+            return known[1]
         if self.host_data:
             slices = {k: self.host_data.get(slices[k].untyped_storage().data_ptr(), slices[k]) for k in unit.keys}
-        return unit.shard_data(slices, self.rank)
+        data = unit.shard_data(slices, self.rank)
+        if data.untyped_storage().data_ptr() == tensors[0].untyped_storage().data_ptr():
+            self.flat_shards[unit.name] = (tensors, data)  # (the buffer itself, not a copy)
+        return data
 
     # -- a pass -------------------------------------------------------------------
     def start_pass(self) -> None:
@@ -289,7 +315,7 @@ class Units:
         if self.sink is not None:
             self.reduce_into_sink(unit, grad)
             return FED
-        return self.comm.reduce_scatter(grad, unit.name)
+        return self.comm.reduce_scatter(grad, unit.name, owned=True)
 
     def drop(self) -> None:
         """Finish and forget gathers nobody used (e.g. a forward without backward)."""
@@ -299,6 +325,7 @@ class Units:
         for buffer in self.released.values():
             buffer.wait()
         self.released.clear()
+        self.flat_shards.clear()
 
     def _use(self, unit: UnitLayout) -> UnitUse:
         use = self.uses.get(unit.name)
@@ -371,7 +398,8 @@ class Units:
                 full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
             else:
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
-        grad = torch.is_grad_enabled() and any(slices[k].requires_grad for k in unit.keys)
+        tensors = tuple(map(slices.__getitem__, unit.keys))
+        grad = torch.is_grad_enabled() and any(map(_requires_grad, tensors))
         counted = phase == "forward" and (grad or recomputed)
         use = self._use(unit) if counted or grad else None
         if counted:
@@ -379,12 +407,11 @@ class Units:
         if not grad:
             return dict(zip(unit.keys, unit.strided_views(full)))
         reducer = Reducer(self, unit, use, buffer)
-        return dict(zip(unit.keys, UnitViews.apply(dist.Holder(full), unit, self.rank, reducer,
-                                                   *(slices[k] for k in unit.keys))))
+        return dict(zip(unit.keys, apply_function(UnitViews, (dist.Holder(full), unit, self.rank, reducer), tensors)))
 
     def outside(self, params: dict, full_flats: dict | None) -> Callable[[str], torch.Tensor]:
         """key -> the full parameter, for a block's parameter used outside its block (a weight shared with
-        another block or a layer outside, `zfunc.model_call.OutsideItsBlock`): its unit's views, made on
+        another block or a layer outside, `zfunc.model_structure.OutsideItsBlock`): its unit's views, made on
         demand (stage 3 gathers the unit then) and counted as one more use of the unit, so its gradient
         joins the unit's one reduction. Within one forward, one use per unit and call."""
         unit_of = self.layout.unit_of()
@@ -420,14 +447,11 @@ class Units:
         return unit.full_views(full)
 
     # -- a block's body -------------------------------------------------------------
-    def block_body(self, unit: UnitLayout, local: dict[str, str], body: Callable, params: dict,
-                   full_flats: dict | None, recomputed: bool,
-                   outside: Callable[[str], torch.Tensor] | None = None) -> Callable:
-        """``body`` (the block's own forward on its params) run on gathered views of ``unit``; a
+    def block_body(self, block: BlockUnit, body: Callable, params: dict, full_flats: dict | None,
+                   recomputed: bool, outside: Callable[[str], torch.Tensor] | None = None) -> Callable:
+        """``body`` (the block's own forward on its params) run on gathered views of its unit; a
         parameter of the block that belongs to another unit (tied across blocks) comes from ``outside``."""
-        own = set(unit.keys)
-        foreign = {n: k for n, k in local.items() if k not in own}
-        mine = {n: k for n, k in local.items() if k in own}
+        unit, mine, foreign = block.unit, block.mine, block.foreign
 
         def gathered_body(block_params: dict, *args, **kwargs):
             slices = {mine[n]: t for n, t in block_params.items() if n in mine}
@@ -456,19 +480,20 @@ class Units:
         views = self.views(unit, slices, params, None, recomputed=False, buffer=buffer, full=full)
         block_params = {**{n: views[k] for n, k in local.items()}, **(extra or {})}
 
+        def keep() -> None:  # an output zfunc cannot look inside may hold a view: never release the buffer
+            buffer.keep = True
+
         def run(bp, *a, **kw):
-            out = _run_checked(body, bp, a, kw, views, unit)
-            if not _only_known_leaves(out):
-                buffer.keep = True  # an output zfunc cannot look inside may hold a view: never release it
-            return out
+            return _run_checked(body, bp, a, kw, views, unit, opaque=keep)
 
         return around_block(buffer, run, block_params, args, kwargs, refill_previous_block)
 
 
 def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
-                 unit: UnitLayout) -> Any:
+                 unit: UnitLayout, opaque: Callable[[], None] | None = None) -> Any:
     """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
-    copying out any output that is a view of them (it would outlive the buffer)."""
+    copying out any output that is a view of them (it would outlive the buffer); ``opaque()`` is called
+    when an output holds an object zfunc cannot look inside (which may hold such a view)."""
     if tracing():  # no version counters or storages to check in a compiled step (nor buffers to release)
         return body(block_params, *args, **kwargs)
     base = next(iter(views.values()))
@@ -481,28 +506,27 @@ def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, 
             "a gathered copy of its parameters, so the write would never reach the shards and training would "
             "silently diverge from eager PyTorch. Make the forward pure (renormalize functionally), or make "
             "this block part of the root unit with shard(..., units=[...]) without it.")
-    return _detach_from(out, base)
+    return _detach_from(out, base, opaque)
 
 
-def _only_known_leaves(out: Any) -> bool:
-    """Whether every leaf of a block's output is a tensor or a plain value (torch's pytree sees into
-    tuples, dicts, dataclass-like model outputs); an opaque object may hide a view of the parameters."""
-    import torch.utils._pytree as torch_pytree  # noqa: PLC0415
-
-    leaves, _ = torch_pytree.tree_flatten(out)
-    return all(x is None or isinstance(x, (torch.Tensor, bool, int, float, complex, str)) for x in leaves)
+# What a block's output may hold that zfunc can see is not a view of its parameters (torch's pytree sees
+# into tuples, dicts, dataclass-like model outputs); any other leaf is opaque.
+_KNOWN_LEAVES = (torch.Tensor, bool, int, float, complex, str, type(None))
 
 
-def _detach_from(out: Any, base: torch.Tensor) -> Any:
-    """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy."""
-    import torch.utils._pytree as torch_pytree  # noqa: PLC0415
-
+def _detach_from(out: Any, base: torch.Tensor, opaque: Callable[[], None] | None = None) -> Any:
+    """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy;
+    ``opaque()`` called if a leaf of ``out`` is not one of `_KNOWN_LEAVES`."""
     leaves, spec = torch_pytree.tree_flatten(out)
     ptr = base.untyped_storage().data_ptr()
     changed = False
     for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            if opaque is not None and not isinstance(x, _KNOWN_LEAVES):
+                opaque()
+            continue
         # (A DTensor, e.g. tensor_parallel's sequence-split activations, holds its data in its local tensor.)
         local = x._local_tensor if isinstance(x, DTensor) else x
-        if isinstance(x, torch.Tensor) and x.numel() and local.untyped_storage().data_ptr() == ptr:
+        if x.numel() and local.untyped_storage().data_ptr() == ptr:
             leaves[i], changed = x.clone(), True
     return torch_pytree.tree_unflatten(leaves, spec) if changed else out
