@@ -51,6 +51,7 @@ def make_model(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     n_embd, n_layer, n_head, vocab = SHAPES[args.model]
+    n_layer = args.layers or n_layer
     cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=args.seq, vocab_size=vocab,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
@@ -136,14 +137,32 @@ def measure(args) -> dict:
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "loss": float(loss)}
+            "loss": float(loss), "phases": phases()}
+
+
+# Where a compile spends its time (dynamo's timers, seconds summed over the process's compiles):
+# tracing the Python (dynamo), AOTAutograd's joint graph and partition, Inductor's lowering,
+# scheduling and code generation, the C++/Triton compile of the generated code.
+PHASES = {"dynamo": "bytecode_tracing", "aot+inductor": "create_aot_dispatcher_function",
+          "inductor": "compile_fx_inner", "lowering": "GraphLowering.run", "scheduling": "Scheduler.__init__",
+          "codegen": "Scheduler.codegen", "build": "async_compile.wait", "guards": "build_guards"}
+
+
+def phases() -> dict:
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    found = dict(zip(names, (float(v) for v in values)))
+    return {phase: round(found[key], 2) for phase, key in PHASES.items() if key in found}
 
 
 def run_one(args, name: str, cache: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (zfunc from this checkout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 300)}
     cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
-           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps)]
+           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -154,6 +173,7 @@ def run_one(args, name: str, cache: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: the model's own)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
