@@ -3,6 +3,7 @@
     python benchmarks/compile_time.py                      # tiny GPT, CPU or GPU, one process per run
     python benchmarks/compile_time.py --model medium --seq 1024 --micro-batch 8   # GPT-2 medium on a GPU
     python benchmarks/compile_time.py --layers 12 --contenders floor,zfunc-s3-compiled   # deeper tiny GPT, CPU
+    python benchmarks/compile_time.py --nodes --layers 4 --contenders floor,zfunc-s3-compiled   # what is compiled
 
 Each contender runs in a fresh process (so nothing of one compile helps another) twice with one
 cache directory (``TORCHINDUCTOR_CACHE_DIR``, the FX graph and AOTAutograd caches torch keeps by
@@ -12,7 +13,9 @@ median (what the first step spent compiling); the table gives it and its ratio t
 and warm figures, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
 summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
-model's default is 4; blocks dominate a compile from about 12).
+model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
+the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
+search grows faster than the count) by the zfunc, model or script line that made them.
 
 Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel from a config):
 
@@ -121,6 +124,30 @@ def zfunc_step(args, device, name):
     return one
 
 
+def counting_backend(counts: dict):
+    """A torch.compile backend that runs AOTAutograd (forward and backward graphs, as Inductor would get
+    them) and counts their operator nodes by the source line that made each: ``{"file:function": n}``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def count(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            frames = [line for line in (node.meta.get("stack_trace") or "").splitlines()
+                      if line.strip().startswith("File")]
+            # The innermost frame in zfunc, the model or this script (not torch's own).
+            where = next((f.split('"')[1].rsplit("/", 1)[-1] + ":" + f.rsplit(" in ", 1)[-1].strip()
+                          for f in reversed(frames) if "/torch/" not in f.split('"')[1]), "(torch)")
+            counts[where] = counts.get(where, 0) + 1
+            counts["total"] = counts.get("total", 0) + 1
+        return graph_module
+
+    def backend(graph_module, example_inputs):
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=count, bw_compiler=count)
+
+    return backend
+
+
 def measure(args) -> dict:
     """One contender in this process: the first step's time, the later steps' median."""
     if torch.cuda.is_available():
@@ -130,7 +157,15 @@ def measure(args) -> dict:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    counts: dict = {}
+    if args.nodes:  # (count the graphs' nodes instead of compiling them with Inductor)
+        compile_ = torch.compile
+        torch.compile = lambda fn, **kw: compile_(fn, **{**kw, "backend": counting_backend(counts)})
     one = floor_step(args, device) if args.one == "floor" else zfunc_step(args, device, args.one)
+    if args.nodes:
+        one(0)
+        dist.destroy_process_group()
+        return {"nodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
     times, loss = [], None
     for i in range(1 + args.steps):
         sync()
@@ -167,7 +202,8 @@ def run_one(args, name: str, cache: str) -> dict:
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 300)}
     cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
            "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    cmd += ["--nodes"] if args.nodes else []
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
@@ -182,6 +218,9 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--nodes", action="store_true",
+                   help="instead of timing: the operator nodes of each contender's compiled graphs (after "
+                        "AOTAutograd, what Inductor schedules), by the source line that made them")
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
@@ -192,12 +231,25 @@ def main() -> None:
     print(f"# compile_time {args.model} mb={args.micro_batch} seq={args.seq} {device} torch {torch.__version__} "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results = {}
+    if args.nodes:
+        for name in args.contenders.split(","):
+            if name in ("zfunc-s3", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks") or name.endswith("-blocks"):
+                continue  # (eager steps: their graphs are per block, see the timing)
+            with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
+                results[name] = run_one(args, name, cache)
+            nodes = results[name].get("nodes", results[name])
+            top = list(nodes.items())[:16]
+            print(f"  {name}: " + ", ".join(f"{where} {n}" for where, n in top), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=2)
+        return
     for name in args.contenders.split(","):
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
             results[name] = {"cold": run_one(args, name, cache), "warm": run_one(args, name, cache)}
         print(f"  {name}: {json.dumps(results[name])}", flush=True)
     floor = results.get("floor", {})
-    print(f"\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
+    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
@@ -205,7 +257,7 @@ def main() -> None:
             print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | |")
             continue
 
-        def ratio(kind):
+        def ratio(kind, r=r):
             base = floor.get(kind, {}).get("compile_s")
             return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
 

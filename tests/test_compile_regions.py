@@ -24,7 +24,6 @@ adopted (see ``zfunc.transforms.compile_blocks``).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 DEPTH, WIDTH = 3, 8
