@@ -25,6 +25,8 @@ Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel 
   subtract from the compiled zfunc contenders' figures;
 - ``zfunc-s3-compiled``: ``torch.compile(shard(mixed_precision(step), stage=3), fullgraph=True)``,
   the whole step in one graph (every block unrolled);
+- ``zfunc-s3-compiled-sgd``: the same with plain SGD instead of AdamW: the part of the compile that is
+  the optimizer update (in the graph, one update per parameter tensor; the floor's optimizer is eager);
 - ``zfunc-s3-blocks`` / ``zfunc-s3-checkpoint-blocks``: ``compile_blocks`` (regional compile: each
   block's forward compiled once for all identical blocks, the step eager), without / with
   ``checkpoint``.
@@ -45,7 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
+CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-compiled-sgd", "zfunc-s3-blocks",
+              "zfunc-s3-checkpoint-blocks"]
 SHAPES = {"tiny": (128, 4, 4, 512), "medium": (1024, 24, 16, 50257)}  # n_embd, n_layer, n_head, vocab
 
 
@@ -112,10 +115,12 @@ def zfunc_step(args, device, name):
     if "-checkpoint" in name:
         step = checkpoint(step)
     step = shard(step, stage=3)
-    box = {"state": step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))}
+    # (-sgd: plain SGD, the smallest update there is: what the rest of the compile costs without Adam's)
+    tx = zf.optim.sgd(1e-4) if name.endswith("-sgd") else zf.optim.adamw(1e-4, weight_decay=0.1)
+    box = {"state": step.init(zf.TrainState.create(params, tx))}
     del params
     apply_fn.release_module_params()
-    run = torch.compile(step, fullgraph=True) if name.endswith("-compiled") else step
+    run = torch.compile(step, fullgraph=True) if "-compiled" in name else step
 
     def one(i):
         box["state"], metrics = run(box["state"], tokens(args, i, device))
@@ -233,7 +238,7 @@ def main() -> None:
     results = {}
     if args.nodes:
         for name in args.contenders.split(","):
-            if name in ("zfunc-s3", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks") or name.endswith("-blocks"):
+            if name != "floor" and "-compiled" not in name:
                 continue  # (eager steps: their graphs are per block, see the timing)
             with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
                 results[name] = run_one(args, name, cache)
