@@ -208,6 +208,7 @@ def run_one(args, name: str, cache: str) -> dict:
     cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
            "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     cmd += ["--nodes"] if args.nodes else []
+    cmd += ["--inductor", args.inductor]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -226,11 +227,17 @@ def main() -> None:
     p.add_argument("--nodes", action="store_true",
                    help="instead of timing: the operator nodes of each contender's compiled graphs (after "
                         "AOTAutograd, what Inductor schedules), by the source line that made them")
+    p.add_argument("--inductor", default="{}",
+                   help="Inductor config for every contender, as JSON (e.g. "
+                        "'{\"max_fusion_buffer_group_pairwise_attempts\": 16}': its fusion search)")
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args)), flush=True)
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(**json.loads(args.inductor)):
+            print(json.dumps(measure(args)), flush=True)
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# compile_time {args.model} mb={args.micro_batch} seq={args.seq} {device} torch {torch.__version__} "
