@@ -2,13 +2,20 @@
 
     python benchmarks/compile_time.py                      # tiny GPT, CPU or GPU, one process per run
     python benchmarks/compile_time.py --model medium --seq 1024 --micro-batch 8   # GPT-2 medium on a GPU
+    python benchmarks/compile_time.py --layers 12 --contenders floor,zfunc-s3-compiled   # deeper tiny GPT, CPU
+    python benchmarks/compile_time.py --nodes --layers 4 --contenders floor,zfunc-s3-compiled   # what is compiled
 
 Each contender runs in a fresh process (so nothing of one compile helps another) twice with one
 cache directory (``TORCHINDUCTOR_CACHE_DIR``, the FX graph and AOTAutograd caches torch keeps by
 default): **cold**, the directory empty; **warm**, the directory the cold run filled, as in a
 second run of a training script. Compile time is the first step's wall time less a later step's
 median (what the first step spent compiling); the table gives it and its ratio to the floor's cold
-and warm figures.
+and warm figures, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
+dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
+summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
+model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
+the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
+search grows faster than the count) by the zfunc, model or script line that made them.
 
 Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel from a config):
 
@@ -18,6 +25,8 @@ Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel 
   subtract from the compiled zfunc contenders' figures;
 - ``zfunc-s3-compiled``: ``torch.compile(shard(mixed_precision(step), stage=3), fullgraph=True)``,
   the whole step in one graph (every block unrolled);
+- ``zfunc-s3-compiled-sgd``: the same with plain SGD instead of AdamW: the part of the compile that is
+  the optimizer update (in the graph, one update per parameter tensor; the floor's optimizer is eager);
 - ``zfunc-s3-blocks`` / ``zfunc-s3-checkpoint-blocks``: ``compile_blocks`` (regional compile: each
   block's forward compiled once for all identical blocks, the step eager), without / with
   ``checkpoint``.
@@ -38,7 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
+CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-compiled-sgd", "zfunc-s3-blocks",
+              "zfunc-s3-checkpoint-blocks"]
 SHAPES = {"tiny": (128, 4, 4, 512), "medium": (1024, 24, 16, 50257)}  # n_embd, n_layer, n_head, vocab
 
 
@@ -51,6 +61,7 @@ def make_model(args):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     n_embd, n_layer, n_head, vocab = SHAPES[args.model]
+    n_layer = args.layers or n_layer
     cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=args.seq, vocab_size=vocab,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cfg._attn_implementation = "sdpa"
@@ -104,16 +115,42 @@ def zfunc_step(args, device, name):
     if "-checkpoint" in name:
         step = checkpoint(step)
     step = shard(step, stage=3)
-    box = {"state": step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))}
+    # (-sgd: plain SGD, the smallest update there is: what the rest of the compile costs without Adam's)
+    tx = zf.optim.sgd(1e-4) if name.endswith("-sgd") else zf.optim.adamw(1e-4, weight_decay=0.1)
+    box = {"state": step.init(zf.TrainState.create(params, tx))}
     del params
     apply_fn.release_module_params()
-    run = torch.compile(step, fullgraph=True) if name.endswith("-compiled") else step
+    run = torch.compile(step, fullgraph=True) if "-compiled" in name else step
 
     def one(i):
         box["state"], metrics = run(box["state"], tokens(args, i, device))
         return metrics["loss"]
 
     return one
+
+
+def counting_backend(counts: dict):
+    """A torch.compile backend that runs AOTAutograd (forward and backward graphs, as Inductor would get
+    them) and counts their operator nodes by the source line that made each: ``{"file:function": n}``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def count(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            frames = [line for line in (node.meta.get("stack_trace") or "").splitlines()
+                      if line.strip().startswith("File")]
+            # The innermost frame in zfunc, the model or this script (not torch's own).
+            where = next((f.split('"')[1].rsplit("/", 1)[-1] + ":" + f.rsplit(" in ", 1)[-1].strip()
+                          for f in reversed(frames) if "/torch/" not in f.split('"')[1]), "(torch)")
+            counts[where] = counts.get(where, 0) + 1
+            counts["total"] = counts.get("total", 0) + 1
+        return graph_module
+
+    def backend(graph_module, example_inputs):
+        return aot_module_simplified(graph_module, example_inputs, fw_compiler=count, bw_compiler=count)
+
+    return backend
 
 
 def measure(args) -> dict:
@@ -125,7 +162,15 @@ def measure(args) -> dict:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+    counts: dict = {}
+    if args.nodes:  # (count the graphs' nodes instead of compiling them with Inductor)
+        compile_ = torch.compile
+        torch.compile = lambda fn, **kw: compile_(fn, **{**kw, "backend": counting_backend(counts)})
     one = floor_step(args, device) if args.one == "floor" else zfunc_step(args, device, args.one)
+    if args.nodes:
+        one(0)
+        dist.destroy_process_group()
+        return {"nodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
     times, loss = [], None
     for i in range(1 + args.steps):
         sync()
@@ -136,15 +181,35 @@ def measure(args) -> dict:
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "loss": float(loss)}
+            "loss": float(loss), "phases": phases()}
+
+
+# Where a compile spends its time (dynamo's timers, seconds summed over the process's compiles):
+# tracing the Python (dynamo), AOTAutograd's joint graph and partition, Inductor's lowering,
+# scheduling and code generation, the C++/Triton compile of the generated code.
+PHASES = {"dynamo": "bytecode_tracing", "aot+inductor": "create_aot_dispatcher_function",
+          "inductor": "compile_fx_inner", "lowering": "GraphLowering.run", "scheduling": "Scheduler.__init__",
+          "codegen": "Scheduler.codegen", "build": "async_compile.wait", "guards": "build_guards"}
+
+
+def phases() -> dict:
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    found = dict(zip(names, (float(v) for v in values)))
+    return {phase: round(found[key], 2) for phase, key in PHASES.items() if key in found}
 
 
 def run_one(args, name: str, cache: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (zfunc from this checkout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29600 + os.getpid() % 300)}
     cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
-           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps)]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+           "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
+    cmd += ["--nodes"] if args.nodes else []
+    cmd += ["--inductor", args.inductor]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
@@ -154,26 +219,49 @@ def run_one(args, name: str, cache: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", choices=list(SHAPES))
+    p.add_argument("--layers", type=int, default=0, help="blocks (0: the model's own)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--nodes", action="store_true",
+                   help="instead of timing: the operator nodes of each contender's compiled graphs (after "
+                        "AOTAutograd, what Inductor schedules), by the source line that made them")
+    p.add_argument("--inductor", default="{}",
+                   help="Inductor config for every contender, as JSON (e.g. "
+                        "'{\"max_fusion_buffer_group_pairwise_attempts\": 16}': its fusion search)")
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(measure(args)), flush=True)
+        import torch._inductor.config as inductor_config
+
+        with inductor_config.patch(**json.loads(args.inductor)):
+            print(json.dumps(measure(args)), flush=True)
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# compile_time {args.model} mb={args.micro_batch} seq={args.seq} {device} torch {torch.__version__} "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     results = {}
+    if args.nodes:
+        for name in args.contenders.split(","):
+            if name != "floor" and "-compiled" not in name:
+                continue  # (eager steps: their graphs are per block, see the timing)
+            with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
+                results[name] = run_one(args, name, cache)
+            nodes = results[name].get("nodes", results[name])
+            top = list(nodes.items())[:16]
+            print(f"  {name}: " + ", ".join(f"{where} {n}" for where, n in top), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=2)
+        return
     for name in args.contenders.split(","):
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
             results[name] = {"cold": run_one(args, name, cache), "warm": run_one(args, name, cache)}
         print(f"  {name}: {json.dumps(results[name])}", flush=True)
     floor = results.get("floor", {})
-    print(f"\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
+    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
@@ -181,7 +269,7 @@ def main() -> None:
             print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | |")
             continue
 
-        def ratio(kind):
+        def ratio(kind, r=r):
             base = floor.get(kind, {}).get("compile_s")
             return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
 

@@ -32,6 +32,11 @@ call, so the eager step is unchanged):
   a block's activations, and at stage 3 its gathered weights, from forward to
   backward; `zfunc.transforms.compile_blocks` (regional compile: the blocks
   compiled, the step eager) keeps the eager step's memory.
+- identical blocks are traced and compiled once per block, not once for
+  all: ``torch.compiler.nested_compile_region`` and dynamo's graph
+  deduplication refuse the functorch wrappers of the step's
+  ``torch.func.vjp`` (2.11 and 2.13: ``tests/test_compile_regions.py``), so
+  the compile time of the whole step grows with the depth.
 
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose

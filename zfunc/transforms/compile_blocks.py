@@ -31,6 +31,14 @@ qualified names, or a list of names. ``compile_kwargs`` go to
 error, not a silent fall back to eager. Under a whole-step
 ``torch.compile`` trace this transform steps aside (the trace takes the
 blocks as they are).
+
+Why a whole-step trace does not compile identical blocks once in its graph:
+torch's tool for that, ``torch.compiler.nested_compile_region`` (a region
+traced once and called through ``invoke_subgraph``), and dynamo's automatic
+form (``use_graph_deduplication``) both refuse the functorch wrappers that
+the compiled step's ``torch.func.vjp`` puts around every tensor of the loss
+(torch 2.11 and 2.13; ``tests/test_compile_regions.py`` pins the errors, and
+fails when a torch release lifts them).
 """
 
 from __future__ import annotations
