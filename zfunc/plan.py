@@ -302,9 +302,13 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
+    # A unit's gradient bound for the host goes down through a page-locked staging buffer (`HostAdder`: two
+    # waiting and one being added), which torch's pinned-memory cache rounds up to a power of two and keeps.
+    biggest_shard = max(u.shard_size for u in layout.units)
+    staging = _STAGED * _power_of_two(biggest_shard * reduce_b) if per_unit and offloading else 0
     if fit and offloading and gpu_bytes is not None and stage >= 1:
-        split, params_tier, fit_notes = _fit(on_gpu, shard_elems, max(u.shard_size for u in layout.units), opt_b, cb, activations, stage == 3,
-                                             gpu_bytes, host_bytes, nvme_bytes, baseline, per_unit,
+        split, params_tier, fit_notes = _fit(on_gpu, shard_elems, biggest_shard, opt_b, cb, activations, stage == 3,
+                                             gpu_bytes, host_bytes, nvme_bytes, baseline + staging, per_unit,
                                              "gradient accumulators" if acc_b else "gradients")
         notes += fit_notes
     placement = Placement([(u.name, u.shard_size) for u in layout.units], split, torch.device("cpu"), params_tier)
@@ -314,6 +318,7 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
         share = {"device": psi, "host": 0, "nvme": 0} if not offloading else {"device": 0, "host": psi, "nvme": 0}
     gpu_params, gpu_grads, in_flight = on_gpu(params_tier)
     chunk_buffers = _CHUNK_BUFFERS * min(CHUNK, max(shard_elems, 1)) * 4 if share["host"] + share["nvme"] else 0
+    chunk_buffers += staging if share["host"] + share["nvme"] else 0
     tiers = {
         "gpu": TierBytes(gpu_params, gpu_grads + share["device"] * per_unit, share["device"] * opt_b, activations,
                          in_flight),
@@ -350,6 +355,12 @@ def _pipeline_stage(step, params: dict, ties: dict, blocks, pp: int, pp_rank: in
 
 
 _CHUNK_BUFFERS = 4  # the streamed host update's double-buffered chunks: gradients in, parameters out
+_STAGED = 3  # page-locked staging buffers of gradients on their way to the host at once (`HostAdder`)
+
+
+def _power_of_two(n: int) -> int:
+    """``n`` rounded up to a power of two (how torch's pinned-memory cache sizes its blocks)."""
+    return 1 << max(0, (n - 1).bit_length())
 _GPU_SLACK = 0.92  # of the GPU budget, the rest for the caching allocator's fragmentation
 _HOST_SLACK = 0.90  # of the host budget, the rest for the page cache and the data loader
 
