@@ -198,6 +198,16 @@ def time_eager(args, model, device, autocast: bool):
     return result
 
 
+def floor_update(master: list, params: list, opt) -> None:
+    """The floor's update: the bf16 gradients into the fp32 master's, one AdamW step, the master copied back."""
+    for m, p in zip(master, params):
+        m.grad = p.grad.float()
+        p.grad = None
+    opt.step()
+    with torch.no_grad():
+        torch._foreach_copy_(params, master)
+
+
 def run_floor(args, device, compiled=False):
     """One GPU, no communication: bf16 params, fp32 master, torch fused AdamW (``compiled``: the
     model's forward and backward under torch.compile)."""
@@ -215,12 +225,7 @@ def run_floor(args, device, compiled=False):
         clock.mark()
         loss.backward()
         clock.mark()
-        for m, p in zip(master, params):
-            m.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_copy_(params, master)
+        floor_update(master, params, opt)
         return loss.detach()
 
     result = time_steps(args, one, clock)

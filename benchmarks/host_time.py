@@ -36,15 +36,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's zfunc
 # One thread for numba's CPU Adam (the update of these stacks on the CPU): its idle OpenMP workers spin for a
 # while after each kernel and took the core the next forward ran on (a bf16 addmm 20x slower, at random).
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-import zfunc as zf  # noqa: E402
-from zfunc.transforms import checkpoint, mixed_precision, shard  # noqa: E402
+from gpt_zero import floor_update, lm_loss
+
+import zfunc as zf
+from zfunc.transforms import checkpoint, mixed_precision, shard
 
 WIDTH, HEADS, VOCAB, SEQ, BATCH = 64, 2, 128, 32, 2
 STACKS = ("floor", "s1", "s2", "s3", "s3-checkpoint")
@@ -60,10 +61,6 @@ def make_model(layers: int):
                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     return GPT2LMHeadModel(cfg)
-
-
-def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
 class Clock:
@@ -91,12 +88,7 @@ def build_floor(layers: int, clock: Clock):
         clock.mark()
         loss.backward()
         clock.mark()
-        for m, p in zip(master, params):
-            m.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_copy_(params, master)
+        floor_update(master, params, opt)
         clock.mark()
 
     return one
