@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("a transform's parts: mixed precision's policy", ("transforms.mixed_precision_policy",)),
     ("a transform's parts", ("transforms.loss_scale", "transforms.mixed_precision_cast")),
     ("transforms", ("transforms",)),
-    ("planner", ("plan",)),
+    ("planner", ("plan_activations", "plan")),
     ("checkpoints and migration", ("io", "deepspeed", "launch")),
     ("entry points", ("cli", "__main__", "testing", "__init__")),
     # Built on the public API (``import zfunc as zf``) like a user's code; optional dependencies.

@@ -11,7 +11,7 @@ import torch
 
 import zfunc as zf
 from tests.models import lm_loss, make_batch, tiny_lm_step
-from zfunc.plan import _LiveBytes, measure_activations
+from zfunc.plan_activations import _LiveBytes, measure_activations
 from zfunc.testing import run_distributed
 from zfunc.tiers.placement import Placement
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
