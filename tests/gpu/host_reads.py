@@ -22,7 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
+from tests.test_host_reads import SHARDED
+from tests.test_host_reads import STACKS as CPU_STACKS
+from tests.test_host_reads import _optimizer as optimizer
+from zfunc.transforms import mixed_precision, offload, shard
 
 
 class Block(nn.Module):
@@ -51,37 +54,15 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def sharded(inner, **settings):
-    return lambda s: shard(inner(s), verify=False, **settings)  # (verify's exchange reads on the host: issue 25)
-
-
-STACKS = {
-    "mixed_precision-bf16": lambda s: mixed_precision(s, "bf16"),
-    "mixed_precision-fp16": lambda s: mixed_precision(s, "fp16"),
-    "accumulate": lambda s: accumulate(s, 2),
-    "checkpoint": checkpoint,
-    "checkpoint-accumulate-bf16": lambda s: checkpoint(mixed_precision(accumulate(s, 2), "bf16")),
-    "shard1": sharded(lambda s: s, stage=1),
-    "shard2-bf16": sharded(lambda s: mixed_precision(s, "bf16"), stage=2),
-    "shard2-fp16-accumulate": sharded(lambda s: mixed_precision(accumulate(s, 2), "fp16"), stage=2),
-    "shard3": sharded(lambda s: s, stage=3),
-    "shard3-checkpoint-bf16": sharded(lambda s: checkpoint(mixed_precision(s, "bf16")), stage=3),
-    "shard3-checkpoint-fp16-accumulate": sharded(lambda s: checkpoint(mixed_precision(accumulate(s, 2), "fp16")),
-                                                 stage=3),
-    "shard3-recompute": sharded(lambda s: mixed_precision(s, "bf16"), stage=3, reshard="recompute"),
-    "shard3-verify": lambda s: shard(mixed_precision(s, "bf16"), stage=3),  # expected to FAIL at world >= 2
-}
+# The CPU test's stacks, shard's without verify's exchange (it reads on the host: issue 25), and the default
+# shard, expected to fail at world >= 2.
+STACKS = {name: (lambda s, wrap=wrap: wrap(s, verify=False)) if name in SHARDED else wrap
+          for name, wrap in CPU_STACKS.items()}
+STACKS["shard3-verify"] = lambda s: shard(mixed_precision(s, "bf16"), stage=3)
 OFFLOAD = {  # may read for their host work: reported, not failed
     "offload": offload,
     "shard3-offload-bf16": lambda s: shard(offload(mixed_precision(s, "bf16")), stage=3, verify=False),
 }
-
-
-def optimizer(kind: str):
-    if kind == "clip":
-        return zf.optim.chain(zf.optim.clip_by_global_norm(0.5),
-                              zf.optim.adamw(zf.optim.warmup_cosine(1e-2, 1, 10), weight_decay=0.1))
-    return zf.optim.sgd(zf.optim.warmup_cosine(0.1, 1, 10), momentum=0.9)
 
 
 def build(wrap, kind: str):
