@@ -58,7 +58,7 @@ from zfunc.optim.streamed import CHUNK
 from zfunc.plan_activations import measure_activations
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.accumulate import split_micro_batches
-from zfunc.transforms.grad_accumulator import accumulation_dtype
+from zfunc.transforms.grad_accumulator import HOST_ADDER_DEPTH, accumulation_dtype
 from zfunc.transforms.offload import offload
 from zfunc.transforms.pipeline import pipeline
 from zfunc.transforms.pipeline_layout import make_pipeline_layout
@@ -186,7 +186,7 @@ def plan(step: Transform | Callable, loss_fn: Callable, batch: Any, params: dict
         (4 bytes per parameter of fp32 sums, on the optimizer's tiers), which at billions of parameters
         outweighs the larger micro-batch's activations. The stack's own `accumulate` (if any) is replaced
         by the candidate's in the arithmetic; ``plan.micro_batches`` says what was chosen, and a note what
-        was tried. None fitting: the plan of the smallest micro-batch, with ``fits`` False.
+        was tried. None fitting: the candidate the fewest bytes over the budgets, with ``fits`` False.
     Returns:
       The `MemoryPlan`.
     """
@@ -301,12 +301,13 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
-    # A unit's gradient bound for the host goes down through a page-locked staging buffer (`HostAdder`: two
-    # waiting and one being added), which torch's pinned-memory cache rounds up to a power of two and keeps.
+    # A unit's gradient bound for the host goes down through a page-locked staging buffer (`HostAdder`: those
+    # waiting and the one being added), which torch's pinned-memory cache rounds up to a power of two and keeps.
     biggest_shard = max(u.shard_size for u in layout.units)
-    staging = _STAGED * _power_of_two(biggest_shard * reduce_b) if per_unit and offloading else 0
+    staging = (HOST_ADDER_DEPTH + 1) * _power_of_two(biggest_shard * reduce_b) if per_unit and offloading else 0
+    fits = True
     if fit and offloading and gpu_bytes is not None and stage >= 1:
-        split, params_tier, fit_notes = _fit(on_gpu, shard_elems, biggest_shard, opt_b, cb, activations, stage == 3,
+        split, params_tier, fit_notes, fits = _fit(on_gpu, shard_elems, biggest_shard, opt_b, cb, activations, stage == 3,
                                              gpu_bytes, host_bytes, nvme_bytes, baseline + staging, per_unit,
                                              "gradient accumulators" if acc_b else "gradients")
         notes += fit_notes
@@ -316,8 +317,9 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
     if stage == 0:
         share = {"device": psi, "host": 0, "nvme": 0} if not offloading else {"device": 0, "host": psi, "nvme": 0}
     gpu_params, gpu_grads, in_flight = on_gpu(params_tier)
-    chunk_buffers = _CHUNK_BUFFERS * min(CHUNK, max(shard_elems, 1)) * 4 if share["host"] + share["nvme"] else 0
-    chunk_buffers += staging if share["host"] + share["nvme"] else 0
+    # (the streamed update's chunk buffers and the gradients' staging buffers, where units live off the GPU)
+    chunk_buffers = _CHUNK_BUFFERS * min(CHUNK, max(shard_elems, 1)) * 4 + staging if share["host"] + share["nvme"] \
+        else 0
     tiers = {
         "gpu": TierBytes(gpu_params, gpu_grads + share["device"] * per_unit, share["device"] * opt_b, activations,
                          in_flight),
@@ -326,7 +328,6 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
                           share["host"] * opt_b, 0, chunk_buffers + baseline),
         "nvme": TierBytes(0, 0, share["nvme"] * opt_b, 0, 0),
     }
-    fits = not any("missing" in note or "short of" in note for note in notes)
     for tier, budget in (("gpu", gpu_bytes), ("host", host_bytes), ("nvme", nvme_bytes)):
         if budget is not None and tiers[tier].peak > budget:
             fits = False
@@ -354,7 +355,6 @@ def _pipeline_stage(step, params: dict, ties: dict, blocks, pp: int, pp_rank: in
 
 
 _CHUNK_BUFFERS = 4  # the streamed host update's double-buffered chunks: gradients in, parameters out
-_STAGED = 3  # page-locked staging buffers of gradients on their way to the host at once (`HostAdder`)
 
 
 def _power_of_two(n: int) -> int:
@@ -366,7 +366,8 @@ _HOST_SLACK = 0.90  # of the host budget, the rest for the page cache and the da
 
 def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_bytes, host_bytes, nvme_bytes, baseline,
          acc_b=0, grads_name="gradient accumulators"):
-    """The optimizer shares and parameter tier that fit the budgets: the GPU first, then the host, then NVMe;
+    """The optimizer shares and parameter tier that fit the budgets: the GPU first, then the host, then NVMe
+    (with the notes to print, and whether host and NVMe hold what they are given);
     at stage 3, parameters move to the host only when the GPU cannot hold them with the activations. A unit's
     gradient accumulator (``acc_b`` bytes per element, `accumulate` at stages 2/3) lives with its optimizer
     state, and in host memory for a unit on NVMe."""
@@ -382,7 +383,8 @@ def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_
         (shard_elems * cb if params_tier == "host" else 0) - _CHUNK_BUFFERS * min(CHUNK, shard_elems) * 4
     # The host holds the accumulators of every unit off the GPU, and the optimizer state of those not on NVMe.
     host_room -= rest * shard_elems * acc_b
-    if host_room < 0:
+    fits = host_room >= 0
+    if not fits:
         notes.append(f"host: the {grads_name} of the units off the GPU need {rest * shard_elems * acc_b / GiB:.2f} "
                      f"GiB of host memory; {-host_room / GiB:.2f} GiB ({int(-host_room)} bytes) missing")
     host_share = max(0.0, min(rest, host_room / max(1, shard_elems * opt_b)))
@@ -393,10 +395,11 @@ def _fit(on_gpu, shard_elems, biggest_unit, opt_b, cb, activations, stage3, gpu_
         nvme_share = min(rest, nvme_share + biggest_unit / max(1, shard_elems))
         notes.append("optimizer state on NVMe: give offload(..., nvme_dir=...) a directory on a local NVMe drive")
     if nvme_share > 0 and nvme_bytes is not None and nvme_share * shard_elems * opt_b > nvme_bytes:
+        fits = False
         missing = nvme_share * shard_elems * opt_b - nvme_bytes
         notes.append(f"the optimizer state does not fit on GPU, host and NVMe together: nvme is short of "
                      f"{missing / GiB:.2f} GiB ({int(missing)} bytes)")
-    return (device_share, 1.0 - device_share - nvme_share, nvme_share), params_tier, notes
+    return (device_share, 1.0 - device_share - nvme_share, nvme_share), params_tier, notes, fits
 
 
 def _bytes(dtype: torch.dtype) -> int:

@@ -52,6 +52,7 @@ from zfunc.transforms.shard_layout import UnitLayout, map_param_shaped
 from zfunc.tree import tree_flatten, tree_unflatten
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+HOST_ADDER_DEPTH = 2  # gradients waiting for the host to add them before backward waits (`HostAdder`)
 
 
 def accumulation_dtype(requested: torch.dtype | None, compute: torch.dtype | None) -> torch.dtype | None:
@@ -131,14 +132,13 @@ class GradAccumulator:
                 self.places = self._places()
             device = self.places.get(unit.keys[0], shard.device)
             dtype = self.dtype or shard.dtype
-            if dtype == shard.dtype and device == shard.device and shard.dim() == 1 and shard.is_contiguous():
-                # (the reduced shard is fresh from the reduction, or the unit's own summed gradient at one rank)
-                flat = self.flats[unit.name] = shard
-            else:
-                flat = self.flats[unit.name] = self._empty(shard.numel(), dtype, device)
+            # The reduced shard itself where it is already the sum (fresh from the reduction, or the unit's own
+            # summed gradient at one rank), else a buffer on the tier.
+            taken = dtype == shard.dtype and device == shard.device and shard.dim() == 1 and shard.is_contiguous()
+            flat = self.flats[unit.name] = shard if taken else self._empty(shard.numel(), dtype, device)
             self.units[unit.name] = unit.shard_views(flat, rank)
             self.fed.update(unit.keys)
-            if flat is shard:
+            if taken:
                 return
         self._sum(flat, shard, first)
 
@@ -313,7 +313,7 @@ class HostAdder:
     the order the gradients came (so every buffer's sum is taken in micro-batch order, as on the GPU). At
     most ``depth`` gradients wait at once: backward then waits for the host to catch up."""
 
-    def __init__(self, device: torch.device, depth: int = 2) -> None:
+    def __init__(self, device: torch.device, depth: int = HOST_ADDER_DEPTH) -> None:
         self.device, self.depth = device, depth
         self.stream = torch.cuda.Stream(device)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="zfunc-grad-accumulator")
