@@ -126,6 +126,20 @@ class InfGrad(torch.autograd.Function):
         return g + float("inf")
 
 
+def step_of(loss_fn):
+    """The train step of ``loss_fn``: its gradients, one update."""
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+    return train_step
+
+
+def mlp_batch(i: int) -> dict:
+    """Batch ``i`` of 8 rows for `UnevenMLP`."""
+    g = torch.Generator().manual_seed(i)
+    return {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 3, generator=g)}
+
+
 def fp16_run(pp: int) -> dict:
     """fp16 with dynamic loss scaling, 3 steps; at the first, the head's gradient (the last stage's only)
     overflows."""
@@ -139,13 +153,7 @@ def fp16_run(pp: int) -> dict:
             p = {**p, "head.weight": InfGrad.apply(p["head.weight"])}
         return F.mse_loss(apply_fn(p, batch["x"]), batch["y"])
 
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    def batch_of(i):
-        g = torch.Generator().manual_seed(i)
-        return {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 3, generator=g)}
+    train_step, batch_of = step_of(loss_fn), mlp_batch
 
     state = zf.TrainState.create({k: v.clone() for k, v in params.items()}, zf.optim.sgd(0.1, momentum=0.9))
     if pp == 1:
@@ -197,13 +205,7 @@ def two_threads() -> dict:
             meet["barrier"].wait(timeout=30)
         return F.mse_loss(apply_fn(p, batch["x"]), batch["y"])
 
-    def train_step(state, batch):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-        return state.apply_gradients(grads), {"loss": loss}
-
-    def batch_of(i):
-        g = torch.Generator().manual_seed(i)
-        return {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 3, generator=g)}
+    train_step, batch_of = step_of(loss_fn), mlp_batch
 
     stacked = pipeline(train_step, micro_batches=2)
     fresh = lambda: stacked.init(zf.TrainState.create({k: v.clone() for k, v in params.items()},  # noqa: E731
