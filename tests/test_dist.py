@@ -96,3 +96,23 @@ def test_torchrun_environment_without_a_process_group_is_refused(monkeypatch):
         zdist.Group.resolve()
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert zdist.Group.resolve().size == 1
+
+
+def _host_groups_of_two():
+    """World 4 as two dp groups ({0, 1}, {2, 3}) whose collectives 'run on a device' (the group says so): each
+    makes its host group with only its own ranks, and exchanges over it."""
+    rank = torch.distributed.get_rank()
+    pair = [0, 1] if rank < 2 else [2, 3]
+    handle = torch.distributed.new_group(ranks=pair, use_local_synchronization=True)
+    device_group = dist.Group(handle, rank % 2, 2, torch.device("meta"))  # (as NCCL's would be: not the host)
+    host = dist.host_group(device_group)
+    same = dist.host_group(dist.Group(handle, rank % 2, 2, torch.device("cpu")))
+    return (host.device.type, host.handle is not handle, same.handle is handle,
+            dist.exchange_on_host({"rank": rank}, host, "a test"))
+
+
+def test_host_group_exchanges_within_each_dp_group_on_the_host():
+    for rank, (device, fresh, same, got) in enumerate(run_distributed(_host_groups_of_two, 4)):
+        pair = [0, 1] if rank < 2 else [2, 3]
+        assert (device, fresh, same) == ("cpu", True, True)
+        assert got == [{"rank": r} for r in pair]

@@ -13,8 +13,9 @@ Two kinds of reads are not device reads and are left out, by the function that
 makes them: `Pending.raise_if_found` reads the host copy of a step's findings
 (on a GPU: pinned memory behind an event), the numba kernel's `_HostKernel`
 runs only for optimizer state that lives on the host (here: all of it, on a GPU
-without `offload`: none), and `zfunc.dist.announce` runs in a step only where
-the process group's device is the CPU (gloo). tests/gpu/host_reads.py runs the same stacks under
+without `offload`: none), `zfunc.dist.announce` runs in a step only where
+the process group's device is the CPU (gloo), and `zfunc.dist.exchange_on_host`
+(shard's ``verify``) only over a gloo group, beside NCCL on a GPU. tests/gpu/host_reads.py runs the same stacks under
 ``torch.cuda.set_sync_debug_mode("error")``, where nothing is left out.
 """
 
@@ -29,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zfunc as zf
 from tests.models import make_batch, tiny_lm_step
-from zfunc.dist import announce
+from zfunc.dist import Group, announce, exchange_on_host
 from zfunc.donation import Pending
 from zfunc.optim import fused
 from zfunc.testing import run_distributed
@@ -42,8 +43,10 @@ _READ_OPS = {"_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_static", "
 _READ_METHODS = ("tolist", "numpy", "cpu", "__array__")
 
 # (`dist.announce` checks that ranks are in the same call; a step calls it only where the group's device is the
-# CPU, i.e. gloo, where the exchange is on the host anyway.)
+# CPU, i.e. gloo, where the exchange is on the host anyway. `dist.exchange_on_host` runs only over a gloo group:
+# shard's verify compares which units each rank ran, values the host knows, over a gloo group beside NCCL.)
 _HOST_WORK = {Pending.raise_if_found.__code__, fused._HostKernel.__call__.__code__, announce.__code__,
+              exchange_on_host.__code__,
               *(getattr(fused._HostKernel, name).func.__code__ for name in ("skipped", "lr", "step", "scale"))}
 
 
@@ -173,14 +176,18 @@ def test_a_steady_state_step_reads_nothing_on_the_host_at_world_2():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="shard(verify=True), the default, compares the units each rank ran once per "
-                   "backward pass (Units.backward_begins: an all-gather read on the host, needed to decide before "
-                   "the first reduction whether uneven units are deferred); not yet moved to the device")
 def test_shards_verify_exchange_reads_nothing_at_world_2():
-    for per_stack in run_distributed(_sharded_reads_on_ranks, 2, timeout=600):
-        for reads in per_stack.values():
-            assert all("backward_begins" in r for r in reads), reads  # the only reads left
-            assert not reads
+    """shard(verify=True), the default, compares the units each rank ran once per backward pass: over a host
+    (gloo) group (`dist.exchange_on_host`), so nothing is read back from a device."""
+    for rank, per_stack in enumerate(run_distributed(_sharded_reads_on_ranks, 2, timeout=600)):
+        bad = {name: reads for name, reads in per_stack.items() if reads}
+        assert not bad, f"rank {rank}: host reads in steady-state steps: {bad}"
+
+
+def test_the_host_exchange_refuses_a_device_group():
+    group = Group(None, 0, 2, torch.device("meta"))
+    with pytest.raises(ValueError, match="host \\(gloo\\) group"):
+        exchange_on_host({}, group, "a test")
 
 
 def test_the_recorder_names_the_code_that_reads():  # (the test above can fail)

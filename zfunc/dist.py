@@ -314,6 +314,31 @@ def _gather_within_timeout(t: torch.Tensor, group: Group, what: str) -> torch.Te
     return out
 
 
+def host_group(group: Group) -> Group:
+    """A group over ``group``'s ranks whose collectives run on the host (gloo), for control exchanges
+    of values the host already knows (which units a rank ran): over NCCL the same exchange would copy
+    the answer back from the GPU, and the host would wait for the GPU's queue to drain first.
+
+    ``group`` itself when its collectives already run on the host (gloo, or a world of 1). Otherwise a
+    new gloo group over the same ranks: creating it is a collective of those ranks only
+    (``use_local_synchronization``, so the ranks of other dp groups of a mesh need not join), made once
+    by the caller, who keeps it (`shard` keeps it in its stack's ``kept``).
+    """
+    if group.size == 1 or group.device.type == "cpu":
+        return group
+    ranks = dist.get_process_group_ranks(group.handle) if group.handle is not None else list(range(group.size))
+    handle = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=group.timeout),
+                            use_local_synchronization=True)
+    return Group(handle, group.rank, group.size, torch.device("cpu"), timeout=group.timeout)
+
+
+def exchange_on_host(obj, host: Group, what: str) -> list:
+    """`all_gather_json` over a `host_group`: every rank's ``obj``, read without waiting for any device."""
+    if host.device.type != "cpu":
+        raise ValueError(f"exchange_on_host needs a host (gloo) group, got one on {host.device}; see host_group")
+    return all_gather_json(obj, host, what)
+
+
 CALL_NAME_BYTES = 64  # the fixed size of `announce`'s exchange
 
 

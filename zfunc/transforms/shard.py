@@ -120,8 +120,9 @@ class shard(Transform):  # noqa: N801
         backward: "release" (free and re-gather) or "recompute" (run it again).
       timeout: seconds a rank waits for the others in a collective before raising
         `zfunc.dist.CollectiveError` (default ``$ZFUNC_TIMEOUT_S`` or 300).
-      verify: check after each backward pass that every rank issued the same
-        collectives (one tiny exchange; catches modules run on some ranks only).
+      verify: compare, before each backward pass's first reduction, which units every rank ran
+        (one tiny exchange between the ranks' hosts over a gloo group, which never waits for the
+        GPU; catches modules run on some ranks only, see `Units.backward_begins`).
     """
 
     name = "shard"
@@ -332,8 +333,19 @@ class shard(Transform):  # noqa: N801
         if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
             return _Call(layout, comm, None, StageUnits(layout, comm))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
-                      verify=self.verify) if self.stage > 1 else None
+                      verify=self.verify, host=self._host_group(ctx, group)) if self.stage > 1 else None
         return _Call(layout, comm, units)
+
+    def _host_group(self, ctx, group: dist.Group) -> dist.Group | None:
+        """Where ``verify`` compares the units each rank ran: a gloo group over the same ranks, made at the
+        first step and kept by the stack (`dist.host_group`), so the comparison never waits for the GPU."""
+        if not self.verify or group.size == 1 or tracing():
+            return None
+        key = f"shard: host group of ranks {group.rank}/{group.size} ({id(group.handle)})"
+        host = ctx.stack.kept.get(key)
+        if host is None:
+            host = ctx.stack.kept[key] = dist.host_group(group)
+        return host
 
     def run(self, state, batch):
         call: _Call = self.call_scratch()

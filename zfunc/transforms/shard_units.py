@@ -148,9 +148,10 @@ class Units:
     """The stage 2/3 unit machinery of one call of `shard` (see the module docstring)."""
 
     def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"],
-                 explicit_units: bool = False, verify: bool = True) -> None:
+                 explicit_units: bool = False, verify: bool = True, host: dist.Group | None = None) -> None:
         self.layout, self.comm, self.reshard = layout, comm, reshard
         self.explicit_units, self.verify = explicit_units, verify
+        self.host = host  # where ``verify`` exchanges the units each rank ran (`dist.host_group`)
         self.rank = comm.group.rank
         self.blocks = [u for u in layout.units if u.name != ROOT]
         self.position = {u.name: i for i, u in enumerate(self.blocks)}
@@ -252,7 +253,8 @@ class Units:
         its reduction waits for the end of backward, where every rank issues the uneven units'
         reductions in unit order (zeros where a rank did not run it): exact, without overlap for
         them. Named ``units=``, or at stage 3 (where backward gathers the unit again), it is refused
-        on every rank, before any gradient collective. One small exchange per backward pass.
+        on every rank, before any gradient collective. One small exchange per backward pass, between
+        the ranks' hosts (``host``: a gloo group), which never waits for a device.
         """
         if self.agreed:
             return
@@ -260,7 +262,10 @@ class Units:
         if not self.verify or self.comm.group.size == 1 or tracing():  # (not checked when compiled)
             return
         mine = {name: use.uses for name, use in self.uses.items() if use.uses}
-        counts = dist.all_gather_json(mine, self.comm.group, "comparing the units each rank ran")
+        # Which units ran is known on the host: exchanged over a host (gloo) group, the answer never waits
+        # for the GPU (over NCCL it would come back through the device, after the forward's kernels).
+        host = self.host if self.host is not None else self.comm.group  # (refused below unless on the host)
+        counts = dist.exchange_on_host(mine, host, "comparing the units each rank ran")
         names = sorted({n for c in counts for n in c}, key=lambda n: self.position.get(n, -1))
         uneven = [n for n in names if len({c.get(n, 0) for c in counts}) > 1]
         if not uneven:
