@@ -185,6 +185,24 @@ def test_gradients_landing_in_page_locked_buffers_train_as_the_plain_step(world,
             torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
 
 
+def landed_split(nvme_dir: str) -> dict:
+    rank = torch.distributed.get_rank()
+    directory = f"{nvme_dir}/rank{rank}"
+    os.makedirs(directory, exist_ok=True)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        landing_on_the_cpu(monkeypatch)
+        wrapped = train(lambda s: shard(offload(mixed_precision(s, "bf16"), device_fraction=0.3, nvme_fraction=0.3,
+                                                nvme_dir=directory, params="host"), stage=3), rank=rank)
+    plain = train(lambda s: shard(mixed_precision(s, "bf16"), stage=3), rank=rank)
+    return {"wrapped": wrapped, "plain": plain}
+
+
+def test_landing_gradients_with_every_tier_and_parameters_on_the_host(tmp_path):
+    for got in run_distributed(landed_split, 2, str(tmp_path)):
+        for k, v in got["plain"].items():
+            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+
+
 def test_landing_gradients_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
     def both(directory):
         with pytest.MonkeyPatch.context() as monkeypatch:
