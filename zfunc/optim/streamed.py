@@ -18,9 +18,10 @@ memory: only the buffers a copy engine reads or writes need pinning) plus four
 chunk buffers. A gradient that is on the host already (summed there over
 micro-batches by `accumulate`, or landing there as backward made it under
 `offload` at one micro-batch: `zfunc.tiers.landing`) is read where it is,
-after ``ready(grad)`` (the wait for its copy): only the new parameters travel. The arithmetic is the kernel's, unchanged: the result is bit
-for bit that of one whole-state update (chunk boundaries fall on multiples of
-the kernel's vector width).
+after ``ready(grad)`` (the wait for its copy): only the new parameters
+travel. The arithmetic is the kernel's, unchanged: the result is bit for bit
+that of one whole-state update (chunk boundaries fall on multiples of the
+kernel's vector width).
 """
 
 from __future__ import annotations

@@ -66,10 +66,6 @@ class HostLanding:
         self.pending[memory_of(dest)] = (self.issued, landed)
         self.issued += 1
 
-    def landing(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` (or the buffer it views) is still on its way."""
-        return bool(self.pending) and memory_of(t) in self.pending
-
     def order(self, t: torch.Tensor) -> int:
         """When ``t``'s copy was issued (copies land in this order); -1 for a tensor that is not landing."""
         found = self.pending.get(memory_of(t)) if self.pending else None
@@ -84,9 +80,9 @@ class HostLanding:
 
     def wait_all(self) -> None:
         """Wait until every buffer has landed."""
-        while self.pending:
-            memory = min(self.pending, key=lambda m: self.pending[m][0])
-            self.pending.pop(memory)[1].synchronize()
+        pending, self.pending = self.pending, {}
+        for _, landed in sorted(pending.values(), key=lambda entry: entry[0]):
+            landed.synchronize()
 
 
 # Operations that read no element of a tensor: its metadata, or a view of it (whose reads are caught in turn).
