@@ -45,7 +45,7 @@ class Uneven(nn.Module):
         return self.head(x)
 
 
-def build(wrap, returns_grads: bool = False):
+def build(wrap, returns_grads: bool = False, optimizer=None):
     torch.manual_seed(0)
     model = Uneven()
     apply_fn, params = zf.functional(model)
@@ -58,7 +58,7 @@ def build(wrap, returns_grads: bool = False):
         return state.apply_gradients(grads), ({"loss": loss, "grads": grads} if returns_grads else {"loss": loss})
 
     step = wrap(train_step)
-    state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-2, weight_decay=0.1)))
+    state = step.init(zf.TrainState.create(params, optimizer or zf.optim.adamw(1e-2, weight_decay=0.1)))
     return step, state
 
 
@@ -66,8 +66,8 @@ def batch(i: int, rank: int = 0) -> torch.Tensor:
     return torch.randint(0, 13, (8, 9), generator=torch.Generator().manual_seed(100 * i + rank))
 
 
-def train(wrap, steps: int = 3, rank: int = 0) -> dict:
-    step, state = build(wrap)
+def train(wrap, steps: int = 3, rank: int = 0, optimizer=None) -> dict:
+    step, state = build(wrap, optimizer=optimizer)
     for i in range(steps):
         state, _ = step(state, batch(i, rank))
     return {k: v.detach().float().clone() for k, v in step.gather(state).items()}
@@ -201,6 +201,19 @@ def test_landing_gradients_with_every_tier_and_parameters_on_the_host(tmp_path):
     for got in run_distributed(landed_split, 2, str(tmp_path)):
         for k, v in got["plain"].items():
             torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("optimizer", ["clipped", "sgd"])
+def test_landing_gradients_read_whole_by_clipping_and_a_pytree_optimizer(optimizer, monkeypatch):
+    """Clipping's norm (fused) and a non-fused optimizer read every gradient before any update: all land first."""
+    make = {"clipped": lambda: zf.optim.chain(zf.optim.clip_by_global_norm(0.05), zf.optim.adamw(1e-2)),
+            "sgd": lambda: zf.optim.sgd(0.1, momentum=0.9)}[optimizer]
+    plain = train(lambda s: shard(mixed_precision(s, "bf16"), stage=3), optimizer=make())
+    landing_on_the_cpu(monkeypatch)
+    wrapped = train(lambda s: shard(offload(mixed_precision(s, "bf16")), stage=3), optimizer=make())
+    assert DeferredLanding.made and DeferredLanding.made[-1].issued
+    for k, v in plain.items():
+        torch.testing.assert_close(wrapped[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_landing_gradients_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
