@@ -8,10 +8,15 @@ holds NaN, what a reader that did not wait would see, or worse). Registration is
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
+from zfunc.tiers import placement
 from zfunc.tiers.landing import HostLanding
+from zfunc.transforms import grad_accumulator
+
 
 class _Copy:
     """The event of one deferred copy: ``synchronize`` makes it land."""
@@ -27,7 +32,7 @@ class _Copy:
 class DeferredLanding(HostLanding):
     """`HostLanding` without a GPU: the copy happens when its event is waited for."""
 
-    made: list[DeferredLanding] = []
+    made: ClassVar[list[DeferredLanding]] = []  # (every one made, newest last: what a test looks at)
 
     def __init__(self, device) -> None:  # (no stream)
         self.device, self.pending, self.issued, self.landed = device, {}, 0, []
@@ -58,9 +63,6 @@ class Registrations:
 
 def landing_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> Registrations:
     """Install the seams (see above) for this test (or, in a forked worker, for the worker)."""
-    import zfunc.transforms.grad_accumulator as grad_accumulator
-    from zfunc.tiers import placement
-
     registrations = Registrations()
     DeferredLanding.made = []
     monkeypatch.setattr(grad_accumulator, "HostLanding", DeferredLanding)

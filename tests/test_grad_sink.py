@@ -239,7 +239,7 @@ def norm_step(wrap):
     def train_step(state, ids):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
         norm = sum(g.float().pow(2).sum() for g in grads.values() if g.is_floating_point())
-        return state.apply_gradients(grads), {"norm": norm, "grads": grads}
+        return state.apply_gradients(grads), {"loss": loss, "norm": norm, "grads": grads}
 
     step = wrap(train_step)
     return step, step.init(zf.TrainState.create(params, zf.optim.adamw(1e-2, weight_decay=0.1)))
