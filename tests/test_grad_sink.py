@@ -174,8 +174,7 @@ def landed_sink(stage: int, steps: int = 3) -> dict:
             "live": len(registrations.live)}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(("world", "stage"), [(1, 2), (2, 2), (1, 3), (2, 3), (4, 3)])
 def test_gradients_landing_in_page_locked_buffers_train_as_the_plain_step(world, stage):
     for got in run_distributed(landed_sink, world, stage):
         assert got["issued"] and sum(got["issued"]) == 3 * got["registered"], got  # each unit's gradient, each step
