@@ -15,7 +15,8 @@ Then how the gradients land (`zfunc.tiers.landing`), with a step that reads its 
 registered once over all steps, with no staging buffer or host thread (no `HostAdder`); the norm the step
 took while they were landing equals the norm of the gradients it returned (a read before a copy landed
 would differ); the gradients a step returned are unchanged by the next step; and how many units were still
-landing when the update began (more than none: the update starts while backward's last copies run).
+landing when the update began (more than none: the update starts while backward's last copies run), with the
+optimizer's counts still on the host (read there without waiting for backward).
 """
 
 from __future__ import annotations
@@ -166,6 +167,12 @@ def probe_landing(args) -> list[str]:
                             f"expected {units}, once each")
         if counts["adders"]:
             failures.append(f"{counts['adders']} HostAdder(s) made at one micro-batch (staging buffers)")
+        # The optimizer's counts stay on the host with its state: the host update reads its rate and step without
+        # waiting for the GPU work queued before (backward), so it can start while backward's tail runs.
+        on_gpu = [t.device for t in zf.tree.tree_leaves(state.opt_state)
+                  if isinstance(t, torch.Tensor) and t.dim() == 0 and t.device.type != "cpu"]
+        if on_gpu:
+            failures.append(f"{len(on_gpu)} of the optimizer's counts moved to the GPU ({on_gpu[0]})")
         print(f"landing: units still landing when the update began, per step: {counts['landing at update']} "
               f"(of {units})", flush=True)
     finally:

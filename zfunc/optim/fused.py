@@ -221,7 +221,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             streamed.sort(key=lambda run: landing.order(run[1]) if run[1].device.type == "cpu" else math.inf)
             ready = landing.wait
         streamed_update(streamed, host, out_dtype, ready=ready)
-    return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
+    return params, spec.advanced(opt_state, mu, nu, lr, host.counted_skip(skip, adam.count)), copy
 
 
 class _HostKernel:
@@ -246,6 +246,17 @@ class _HostKernel:
         self._skip_ready.synchronize()
         with torch.cuda.stream(torch.cuda.Stream(skip.device)):
             return bool(skip)
+
+    def counted_skip(self, skip: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor | None:
+        """The skip flag the new counts are computed with: the one this kernel already read on the host, as a
+        host tensor, where the counts live on the host (offload's state), so they stay there; else ``skip``.
+
+        (Counted with the device flag, a host count would become a device tensor, and the next step's host
+        kernel would read its rate and step through a copy that waits for all the GPU work queued before it,
+        backward included: the update could not start before backward ends.)"""
+        if skip is None or "skipped" not in self.__dict__ or count.device.type != "cpu":
+            return skip
+        return torch.tensor(self.skipped)
 
     @functools.cached_property
     def lr(self) -> float:
