@@ -148,8 +148,8 @@ class _Streams:
         return torch.cuda.Event()
 
     def finish(self) -> None:
-        # The GPU's next work waits for the last uploads; the host does not (it goes on to the next step while
-        # they run). The pinned chunk buffers they read are not reused before they end: torch's pinned-memory
+        # The GPU's next work waits for the last uploads; the host does not (the caller's own work between steps
+        # runs meanwhile). The pinned chunk buffers they read are not reused before they end: torch's pinned-memory
         # cache records each non-blocking copy's stream and holds a freed buffer until that work is done.
         torch.cuda.current_stream(self.device).wait_stream(self.up)
 
