@@ -109,7 +109,7 @@ def probe_landing(args) -> list[str]:
         norm = sum(g.float().pow(2).sum() for g in grads.values())  # read while they land: the guard waits
         return state.apply_gradients(grads), {"loss": loss, "norm": norm, "grads": grads}
 
-    counts = {"registered": 0, "adders": 0, "landing at update": []}
+    counts = {"registered": 0, "adders": 0, "landing at update": [], "update began": []}
     register, adder_init, apply = placement.register_host, grad_accumulator.HostAdder.__init__, offload_cls.apply_gradients
 
     def counting_register(ptr, nbytes):
@@ -124,6 +124,9 @@ def probe_landing(args) -> list[str]:
         sink = self.call_scratch()
         landing = sink.landing if sink is not None else None
         counts["landing at update"].append(len(landing.pending) if landing is not None else -1)
+        backward_done = torch.cuda.Event(enable_timing=True)
+        backward_done.record()  # (reached by the GPU when it has run all of backward)
+        counts["update began"].append((time.perf_counter(), backward_done))
         return apply(self, next, state, grads, request)
 
     placement.register_host, grad_accumulator.HostAdder.__init__ = counting_register, counting_adder
@@ -159,8 +162,18 @@ def probe_landing(args) -> list[str]:
             device_fraction=0.0), stage=3)
         state = plain.init(zf.TrainState.create(params, zf.optim.adamw(1e-4)), init_device="cuda")
         counts["registered"] = 0
+        leads = []  # how long before the GPU finished backward the host update began (ms; < 0: after)
         for _ in range(args.steps):
-            state, _ = plain(state, torch.randint(0, 1000, (args.rows, 129), generator=g).cuda())
+            ids = torch.randint(0, 1000, (args.rows, 129), generator=g).cuda()
+            torch.cuda.synchronize()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            counts["update began"].clear()
+            state, _ = plain(state, ids)
+            torch.cuda.synchronize()
+            began, backward_done = counts["update began"][0]
+            leads.append(start.elapsed_time(backward_done) - 1e3 * (began - t0))
         torch.cuda.synchronize()
         if counts["registered"] != units:
             failures.append(f"{counts['registered']} registrations over {args.steps} steps (kept buffers): "
@@ -174,7 +187,8 @@ def probe_landing(args) -> list[str]:
         if on_gpu:
             failures.append(f"{len(on_gpu)} of the optimizer's counts moved to the GPU ({on_gpu[0]})")
         print(f"landing: units still landing when the update began, per step: {counts['landing at update']} "
-              f"(of {units})", flush=True)
+              f"(of {units}); the host update began {', '.join(f'{x:.1f}' for x in leads)} ms before the GPU had "
+              "run all of backward (negative: after)", flush=True)
     finally:
         placement.register_host, grad_accumulator.HostAdder.__init__ = register, adder_init
         offload_cls.apply_gradients = apply
