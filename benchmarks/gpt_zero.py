@@ -129,8 +129,8 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
         step = compile_blocks(step)
     if use_checkpoint:
         step = checkpoint(step)
-    if use_offload:
-        step = offload(step)
+    if use_offload:  # (--offload-threads: the host update's threads, default torch's: an A/B knob)
+        step = offload(step, threads=args.offload_threads)
     step = shard(step, stage=stage, reshard=reshard)
     # The plan's predicted GPU peak, reported beside the measured one (allocated, above what was held before).
     planned = zf.plan(step, loss_fn, torch.empty(args.micro_batch, args.seq, dtype=torch.long, device=device), params,
@@ -396,6 +396,8 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--contenders", default="all", help="comma list from: " + ",".join(ALL))
     p.add_argument("--json")
+    p.add_argument("--offload-threads", type=int, default=None,
+                   help="threads of offload's host update (default: torch.get_num_threads())")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over 3 extra steps (rank 0 prints the kernels by GPU time)")
     p.add_argument("--cprofile", action="store_true", help="cProfile over 3 extra steps: where the host time goes")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
 # the CPU Adam benchmark, the single-GPU table and the largest-model runs (PARTS picks; TAG names a repeat;
-# PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps).
+# PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps; OFFLOAD_THREADS=N
+# gives the offload contenders N host-update threads).
 # Logs go to $OUT (or ./gpu_out). Usage on the GPU machine:
 #   bash benchmarks/gpu_run.sh [medium] [steps]
 set -uo pipefail
@@ -50,5 +51,6 @@ fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
     --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s3,zfunc-s3-checkpoint,zfunc-s2-offload,zfunc-s3-offload,fsdp2,ds-z2,ds-z3,ds-z2-offload} \
-    --json "$OUT/single_$MODEL${TAG:-}.json" ${PROFILE:+--profile} ${CPROFILE:+--cprofile}
+    --json "$OUT/single_$MODEL${TAG:-}.json" ${PROFILE:+--profile} ${CPROFILE:+--cprofile} \
+    ${OFFLOAD_THREADS:+--offload-threads "$OFFLOAD_THREADS"}
 fi

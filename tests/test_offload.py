@@ -146,3 +146,21 @@ def test_streamed_update_is_the_whole_update_bit_for_bit():
         for (p, _, m, v), (pw, _, mw, vw), out, ow in zip(runs, whole, outs, outs_whole):
             for a, b in ((p, pw), (m, mw), (v, vw), (out, ow)):
                 assert torch.equal(a, b), chunk
+
+
+def test_the_host_update_counts_with_the_skip_flag_it_read():
+    """Where the optimizer's counts live on the host, the new counts are taken with the skip flag the host
+    kernel already read (a host tensor), so they stay on the host; elsewhere with the device flag."""
+    from zfunc.optim.fused import _HostKernel
+
+    spec = zf.optim.adamw(1e-2).fused
+    kernel = _HostKernel(spec, torch.tensor(1e-2), torch.tensor(1), None, 1, torch.ones((), dtype=torch.bool,
+                                                                                         device="meta"))
+    count = torch.zeros((), dtype=torch.int32)
+    on_device = kernel.counted_skip(kernel._numbers[3], count)
+    assert on_device.device.type == "meta"  # not read on the host (all state on the device): the device flag
+    kernel.__dict__["skipped"] = True  # (as the host kernel caches it once it has read the flag)
+    flag = kernel.counted_skip(kernel._numbers[3], count)
+    assert flag.device.type == "cpu" and bool(flag)
+    assert kernel.counted_skip(kernel._numbers[3], count.to("meta")).device.type == "meta"
+    assert kernel.counted_skip(None, count) is None

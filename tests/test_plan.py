@@ -97,6 +97,49 @@ def test_the_accumulator_is_planned_on_the_tier_of_each_units_optimizer_state(wo
         assert held["gpu"] > 0 and held["host"] > 0
 
 
+def _landing_planned_and_built(nvme_dir):
+    """One micro-batch under offload (gradients land in page-locked host buffers, `zfunc.tiers.landing`): the
+    host bytes the plan counts for gradients and for buffers, and the page-locked bytes a step registers."""
+    from tests.landing_fakes import landing_on_the_cpu
+
+    model, params, step = tiny_lm_step(width=24, hidden=37, depth=4)
+    loss_fn = lm_loss(zf.functional(model)[0])
+    stack = shard(offload(mixed_precision(step, "bf16"), device_fraction=0.4, nvme_fraction=0.3, nvme_dir=nvme_dir),
+                  stage=3)
+    summed = shard(offload(mixed_precision(accumulate(step, 2), "bf16"), device_fraction=0.4, nvme_fraction=0.3,
+                           nvme_dir=nvme_dir), stage=3)
+    planned = zf.plan(stack, loss_fn, make_batch(), params, measure=False, baseline=0)
+    planned_summed = zf.plan(summed, loss_fn, make_batch(), params, measure=False, baseline=0)
+    state = stack.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
+    rank, world = dist_rank_world()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        registrations = landing_on_the_cpu(monkeypatch)
+        for _ in range(2):  # (the second step lands in the first one's buffers: nothing more registered)
+            state, _ = stack(state, {k: v.chunk(world)[rank] for k, v in make_batch().items()})
+        registered = sum(registrations.live.values())
+    return {"grads": planned.tiers["host"].grads, "device grads": planned.tiers["gpu"].grads,
+            "units": len(state.extras["shard"].units), "buffers": planned.tiers["host"].buffers,
+            "summed buffers": planned_summed.tiers["host"].buffers, "registered": registered,
+            "registrations": registrations.registered}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gradients_landing_on_the_host_are_planned_as_the_step_registers_them(world, tmp_path):
+    from zfunc.optim.streamed import CHUNK
+    from zfunc.plan import _CHUNK_BUFFERS
+
+    for got in run_distributed(_landing_planned_and_built, world, str(tmp_path)):
+        # Each host and NVMe unit's bf16 gradient lands in a buffer of exactly its size, registered once (on the
+        # CPU the device tier is host memory too, so the device units' gradients land there as well).
+        assert got["registered"] == got["grads"] + got["device grads"] and got["grads"] > 0, got
+        assert got["registrations"] == got["units"], got
+        # No staging buffers at one micro-batch: the streamed update's chunk buffers only; summing on the
+        # host (accumulate) still goes through staging buffers.
+        chunk_buffers = got["buffers"]
+        assert chunk_buffers == _CHUNK_BUFFERS * min(CHUNK, chunk_buffers // (_CHUNK_BUFFERS * 4)) * 4
+        assert got["summed buffers"] > got["buffers"], got
+
+
 def test_fake_measurement_equals_the_real_one():
     model, params, _ = tiny_lm_step(width=32, hidden=48, depth=3)
     loss_fn = lm_loss(zf.functional(model)[0])

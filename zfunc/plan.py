@@ -301,10 +301,13 @@ def _plan(step, loss_fn, batch, params, *, world_size, blocks, units, gpu_bytes,
 
     split, params_tier = facts.optimizer_split, facts.params_tier
     offloading = facts.optimizer_tier != "device" or split != (1.0, 0.0, 0.0)
-    # A unit's gradient bound for the host goes down through a page-locked staging buffer (`HostAdder`: those
-    # waiting and the one being added), which torch's pinned-memory cache rounds up to a power of two and keeps.
+    # Summed on the host (`accumulate`), a unit's gradient goes down through a page-locked staging buffer
+    # (`HostAdder`: those waiting and the one being added), which torch's pinned-memory cache rounds up to a power
+    # of two and keeps. At one micro-batch it lands straight in its own buffer (page-locked in place, exactly its
+    # size: `zfunc.tiers.landing`), already counted with the gradients: no staging.
     biggest_shard = max(u.shard_size for u in layout.units)
-    staging = (HOST_ADDER_DEPTH + 1) * _power_of_two(biggest_shard * reduce_b) if per_unit and offloading else 0
+    staging = (HOST_ADDER_DEPTH + 1) * _power_of_two(biggest_shard * reduce_b) if acc_b and stage >= 2 and offloading \
+        else 0
     fits = True
     if fit and offloading and gpu_bytes is not None and stage >= 1:
         split, params_tier, fit_notes, fits = _fit(on_gpu, shard_elems, biggest_shard, opt_b, cb, activations, stage == 3,

@@ -123,12 +123,17 @@ class UpdateRequest(NamedTuple):
     compute copy of `mixed_precision`); ``compute_into``: tensors, keyed like
     the params, that the copy should be written into when the update can
     (a fused kernel writes it in the same pass); ``host_threads``: threads
-    for a host kernel (`offload`'s share of the cores).
+    for a host kernel (`offload`'s share of the cores); ``grads_landing``:
+    gradients in host memory that may still be landing from the GPU
+    (`zfunc.tiers.landing.HostLanding`, under `offload` at one micro-batch):
+    whatever reads one on the host calls ``grads_landing.wait(g)`` (or
+    ``wait_all()``) first.
     """
 
     compute_dtype: torch.dtype | None = None
     compute_into: dict | None = None
     host_threads: int | None = None
+    grads_landing: Any = None
 
 
 class Updated(NamedTuple):

@@ -147,12 +147,15 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     ctx = current()
     skip = ctx.skip if ctx is not None else None  # skip the update on the device (see `plain_apply_gradients`)
     # (Under torch.compile the pure update: dynamo cannot trace the kernels, and Inductor fuses it.)
+    landing = request.grads_landing  # (gradients still landing in host memory: `UpdateRequest`)
     if ctx is not None and ctx.facts.fused_update and tx.fused is not None and not tracing():
         done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
-                            request.host_threads, skip=skip)
+                            request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing)
         if done is not None:
             ctx.state_consumed = True
             return done
+    if landing is not None:
+        landing.wait_all()
     new_params, new_opt_state = pure_update(tx, params, grads, opt_state)
     if skip is not None:  # branch-free: the old values where skipped
         keep = functools.partial(torch.where, skip)

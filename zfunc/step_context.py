@@ -47,6 +47,9 @@ class StepContext:
         # step found on the device (a NaN loss, fp16 overflow at the minimum scale) without reading it on the
         # host. The update reads ``skip`` on the device; the findings are raised at the next use of the state.
         self.skip: torch.Tensor | None = None
+        # A CUDA event recorded right after ``skip`` was last made: a host update that must know it (to skip its
+        # work) waits for this, not for everything queued on the stream since (backward).
+        self.skip_ready: Any = None
         self.findings: list[Finding] = []
         # Where gradients are summed across micro-batches, if anywhere (`accumulate`'s accumulator): `shard`
         # adds each unit's reduced gradient into it as soon as the reduction lands, then frees the unit's.
@@ -60,6 +63,9 @@ class StepContext:
         ``finding``, an error to raise at the next use of the state the step returns (see `Finding`)."""
         flag = flag.detach() != 0
         self.skip = flag if self.skip is None else self.skip | flag
+        if self.skip.is_cuda and not torch.compiler.is_compiling():
+            self.skip_ready = torch.cuda.Event()
+            self.skip_ready.record()
         if finding is not None:
             self.findings.append(finding)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import weakref
 from typing import Any, Callable, Literal
 
@@ -141,7 +142,7 @@ def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
 
 def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
                  compute_into: dict | None = None, host_threads: int | None = None,
-                 skip: torch.Tensor | None = None):
+                 skip: torch.Tensor | None = None, skip_ready=None, landing=None):
     """One Adam/AdamW update through the fused kernels, in place; None if they cannot take these tensors.
 
     Computes what ``tx.update`` and ``apply_updates`` compute (see the module
@@ -162,6 +163,10 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
       host_threads: threads for the CPU kernel (default: torch's).
       skip: a 0-d bool tensor on the device; where set, nothing is updated (the GPU kernel reads it on the
         device; the host kernel, which needs its numbers on the host anyway, reads it there).
+      skip_ready: a CUDA event recorded once ``skip`` was made: the host reads it after that event only, not
+        after all the work queued since (the update then starts while the GPU still runs backward).
+      landing: host gradients that may still be landing from the GPU (`zfunc.tiers.landing.HostLanding`): each
+        is waited for just before it is read; the streamed runs are taken in the order their gradients land.
     Returns:
       ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
     """
@@ -174,13 +179,15 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     step = adam.count + 1
     divisor = None
     if spec.clip is not None:  # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
+        if landing is not None:  # (the norm reads every gradient)
+            landing.wait_all()
         divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
     copy = _compute_targets(params, grads, compute_dtype, compute_into, skip) if compute_dtype is not None else None
     operands = [params, grads, mu, nu, *([copy] if copy is not None else [])]
     keys = [k for k, p in params.items() if p.numel()]
-    host = _HostKernel(spec, lr, step, divisor, host_threads, skip)
+    host = _HostKernel(spec, lr, step, divisor, host_threads, skip, skip_ready)
     found = None if skip is None else skip.to(torch.float32)
     streamed = []
     for run in contiguous_runs(keys, operands, decays, cache=spec.tables):
@@ -197,6 +204,8 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         elif p.device.type == "cpu":
             if host.skipped:
                 continue
+            if landing is not None:
+                landing.wait(g)
             host(p, g, m, v, target if out_dtype is not None else None, decay)
             if target is not None and out_dtype is None:
                 target.copy_(p)
@@ -207,8 +216,12 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     if streamed and not host.skipped:
         from zfunc.optim.streamed import streamed_update  # noqa: PLC0415
 
-        streamed_update(streamed, host, out_dtype)
-    return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
+        ready = None
+        if landing is not None:  # the units whose gradients landed first, first; those on the GPU last
+            streamed.sort(key=lambda run: landing.order(run[1]) if run[1].device.type == "cpu" else math.inf)
+            ready = landing.wait
+        streamed_update(streamed, host, out_dtype, ready=ready)
+    return params, spec.advanced(opt_state, mu, nu, lr, host.counted_skip(skip, adam.count)), copy
 
 
 class _HostKernel:
@@ -217,14 +230,33 @@ class _HostKernel:
     Its numbers (rate, step, clip divisor, skip flag) are read on the host when first needed, by a run
     whose state lives on the host: a step whose state is all on the GPU reads nothing."""
 
-    def __init__(self, spec: AdamSpec, lr, step, divisor, threads, skip=None) -> None:
+    def __init__(self, spec: AdamSpec, lr, step, divisor, threads, skip=None, skip_ready=None) -> None:
         self.spec, self.threads = spec, threads
         self._numbers = (lr, step, divisor, skip)
+        self._skip_ready = skip_ready
 
     @functools.cached_property
     def skipped(self) -> bool:
         skip = self._numbers[3]
-        return skip is not None and bool(skip)
+        if skip is None:
+            return False
+        if self._skip_ready is None or not skip.is_cuda:
+            return bool(skip)
+        # Read once the flag is made, on a stream with nothing queued: not after backward, queued since.
+        self._skip_ready.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream(skip.device)):
+            return bool(skip)
+
+    def counted_skip(self, skip: torch.Tensor | None, count: torch.Tensor) -> torch.Tensor | None:
+        """The skip flag the new counts are computed with: the one this kernel already read on the host, as a
+        host tensor, where the counts live on the host (offload's state), so they stay there; else ``skip``.
+
+        (Counted with the device flag, a host count would become a device tensor, and the next step's host
+        kernel would read its rate and step through a copy that waits for all the GPU work queued before it,
+        backward included: the update could not start before backward ends.)"""
+        if skip is None or "skipped" not in self.__dict__ or count.device.type != "cpu":
+            return skip
+        return torch.tensor(self.skipped)
 
     @functools.cached_property
     def lr(self) -> float:

@@ -16,13 +16,17 @@ through in chunks of ``chunk`` elements, double-buffered:
 so the host holds the state itself (12 bytes per parameter, in plain pageable
 memory: only the buffers a copy engine reads or writes need pinning) plus four
 chunk buffers. A gradient that is on the host already (summed there over
-micro-batches by `accumulate`, `zfunc.transforms.grad_accumulator`) is read
-where it is: only the new parameters travel. The arithmetic is the kernel's, unchanged: the result is bit
-for bit that of one whole-state update (chunk boundaries fall on multiples of
-the kernel's vector width).
+micro-batches by `accumulate`, or landing there as backward made it under
+`offload` at one micro-batch: `zfunc.tiers.landing`) is read where it is,
+after ``ready(grad)`` (the wait for its copy): only the new parameters
+travel. The arithmetic is the kernel's, unchanged: the result is bit for bit
+that of one whole-state update (chunk boundaries fall on multiples of the
+kernel's vector width).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +38,8 @@ CHUNK = 1 << 25
 ALIGN = 64  # chunk sizes are multiples of this (the kernel's tail handling is per call)
 
 
-def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, chunk: int = CHUNK) -> None:
+def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, chunk: int = CHUNK,
+                    ready: Callable[[torch.Tensor], None] | None = None) -> None:
     """Run ``kernel`` over every run, chunk by chunk, with the copies overlapped (module docstring).
 
     Args:
@@ -45,6 +50,7 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
       kernel: ``kernel(p, g, m, v, out_lowp, weight_decay)`` on host chunks (the numba Adam).
       out_dtype: the dtype of ``out`` (bf16/fp16), or None when the parameters themselves (fp32) go back.
       chunk: elements per chunk.
+      ready: called with a run's host gradient before the kernel first reads it (waits until it has landed).
     """
     if not runs:
         return
@@ -73,6 +79,8 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
         (p, g, *_, host), a, b = pieces[i]
         if host:
             return
+        if ready is not None and a == 0:  # (off a GPU the tests' host gradients come this way)
+            ready(g)
         slot = i % 2
         with streams.on(down):
             grad_bufs[slot][:b - a].copy_(g[a:b], non_blocking=cuda)
@@ -92,6 +100,8 @@ def streamed_update(runs: list[tuple], kernel, out_dtype: torch.dtype | None, ch
                 prefetch(piece)
         n = b - a
         if host:
+            if ready is not None and a == 0:
+                ready(g)
             grad = g[a:b]
         else:
             landed[slot].synchronize()
@@ -138,7 +148,9 @@ class _Streams:
         return torch.cuda.Event()
 
     def finish(self) -> None:
-        self.up.synchronize()
+        # The GPU's next work waits for the last uploads; the host does not (the caller's own work between steps
+        # runs meanwhile). The pinned chunk buffers they read are not reused before they end: torch's pinned-memory
+        # cache records each non-blocking copy's stream and holds a freed buffer until that work is done.
         torch.cuda.current_stream(self.device).wait_stream(self.up)
 
 

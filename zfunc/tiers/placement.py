@@ -164,19 +164,31 @@ def _advise(t: torch.Tensor, advice: int) -> bool:
 
 def pinned_copy(values: torch.Tensor) -> torch.Tensor:
     """A copy of ``values`` in page-locked host memory of exactly its size (see the module docstring)."""
-    out = torch.empty(values.numel(), dtype=values.dtype)
+    return page_locked_empty(values.numel(), values.dtype).copy_(values.reshape(-1))
+
+
+def page_locked_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat host tensor of exactly ``n`` elements, page-locked (``cudaHostRegister``) for as long as this tensor
+    object lives, so that copy engines read and write it directly (asynchronous copies). Where registration is
+    not possible (no GPU, or refused) it is plain pageable memory: copies to and from it are then merely
+    synchronous. Unregistered when the tensor object is collected; a view that outlives it keeps valid
+    (pageable) memory."""
+    out = torch.empty(n, dtype=dtype)
     nbytes = out.numel() * out.element_size()
-    if nbytes:
-        cudart = torch.cuda.cudart()
-        ptr = out.data_ptr()
-        err = cudart.cudaHostRegister(ptr, nbytes, 0)
-        if int(err) != 0:  # not fatal: copies from it are merely synchronous
-            return out.copy_(values.reshape(-1))
-        weakref.finalize(out, _unregister, ptr)
-    return out.copy_(values.reshape(-1))
+    if nbytes and register_host(out.data_ptr(), nbytes):
+        weakref.finalize(out, unregister_host, out.data_ptr())
+    return out
 
 
-def _unregister(ptr: int) -> None:
+def register_host(ptr: int, nbytes: int) -> bool:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` with CUDA; False where there is no GPU or CUDA refuses."""
+    if not torch.cuda.is_available():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+
+
+def unregister_host(ptr: int) -> None:
+    """Undo `register_host` (before the memory is freed)."""
     try:
         torch.cuda.cudart().cudaHostUnregister(ctypes.c_void_p(ptr).value)
     except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already

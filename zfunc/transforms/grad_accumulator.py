@@ -27,9 +27,14 @@ micro-batch's gradients are taken as the buffers themselves where they already
 lie on the right tier, as they always were.
 
 One micro-batch (`offload` under `shard` stages 2/3 without `accumulate`) uses
-the same sink with the gradients' own dtype: nothing is summed, so moving a
-bf16 gradient to its optimizer's tier as it is made is exact, and costs 2
-bytes per element there instead of 4.
+the same sink with the gradients' own dtype and ``sums=False``: nothing is
+summed, so moving a bf16 gradient to its optimizer's tier as it is made is
+exact, and costs 2 bytes per element there instead of 4. A GPU gradient then
+goes straight into its host buffer, which is page-locked once
+(`zfunc.tiers.placement.page_locked_empty`), on a copy stream with one event per
+unit (`zfunc.tiers.landing.HostLanding`): no staging buffer, no host thread,
+and backward never waits; whoever reads it on the host waits for its event
+first (the update unit by unit, anything else through `ReadGuard`).
 
 Host buffers come from a `HostBuffers` the stack keeps between its calls:
 fresh host memory costs a page fault per 4 KiB page at first touch (measured
@@ -48,6 +53,8 @@ from typing import Any
 import torch
 
 from zfunc.compiled import tracing
+from zfunc.tiers.landing import HostLanding, ReadGuard
+from zfunc.tiers.placement import page_locked_empty
 from zfunc.transforms.shard_layout import UnitLayout, map_param_shaped
 from zfunc.tree import tree_flatten, tree_unflatten
 
@@ -100,14 +107,21 @@ class GradAccumulator:
       tree_on_optimizer_tier: sum the gradients not fed per unit on their optimizer state's tier too
         (the update runs on them where they are: `offload` without `shard`).
       host_buffers: where host buffers come from and go back to at `release` (None: fresh each call).
+      sums: False for one micro-batch (each unit's gradient arrives once, nothing is summed): a GPU gradient
+        bound for the host is then copied straight into a page-locked host buffer (`HostLanding`).
     """
 
     def __init__(self, dtype: torch.dtype | None, places: Callable[[], dict[str, torch.device]],
-                 tree_on_optimizer_tier: bool = False, host_buffers: HostBuffers | None = None) -> None:
+                 tree_on_optimizer_tier: bool = False, host_buffers: HostBuffers | None = None,
+                 sums: bool = True) -> None:
         self.dtype, self._places, self.tree_on_optimizer_tier = dtype, places, tree_on_optimizer_tier
         self.places: dict[str, torch.device] | None = None
-        self.host_buffers = host_buffers
-        self.taken: list[torch.Tensor] = []  # host buffers drawn from ``host_buffers`` during this call
+        self.host_buffers, self.sums = host_buffers, sums
+        self.taken: list[tuple[torch.Tensor, bool]] = []  # (host buffer, page-locked) drawn during this call
+        # Gradients on their way into host buffers (``sums=False``), and the guard of their readers: they live
+        # for the whole call (a second gradient call in one step waits for the first one's, `settle`).
+        self.landing: HostLanding | None = None
+        self.guard: ReadGuard | None = None
         self.begin()
 
     def begin(self) -> None:
@@ -132,13 +146,21 @@ class GradAccumulator:
                 self.places = self._places()
             device = self.places.get(unit.keys[0], shard.device)
             dtype = self.dtype or shard.dtype
+            # One micro-batch, from the GPU to the host: straight into a page-locked buffer (the module docstring).
+            lands = not self.sums and dtype == shard.dtype and crosses_to_host(shard, device)
             # The reduced shard itself where it is already the sum (fresh from the reduction, or the unit's own
             # summed gradient at one rank), else a buffer on the tier.
-            taken = dtype == shard.dtype and device == shard.device and shard.dim() == 1 and shard.is_contiguous()
-            flat = self.flats[unit.name] = shard if taken else self._empty(shard.numel(), dtype, device)
+            taken = not lands and dtype == shard.dtype and device == shard.device and shard.dim() == 1 \
+                and shard.is_contiguous()
+            flat = self.flats[unit.name] = shard if taken else self._empty(shard.numel(), dtype, device, lands)
             self.units[unit.name] = unit.shard_views(flat, rank)
             self.fed.update(unit.keys)
             if taken:
+                return
+            if lands:
+                if self.landing is None:
+                    self.landing = HostLanding(shard.device)
+                self.landing.copy(flat, shard.reshape(-1))
                 return
         self._sum(flat, shard, first)
 
@@ -188,6 +210,8 @@ class GradAccumulator:
         return self.places.get(key, grad.device)
 
     def _sum(self, acc: torch.Tensor, grad: torch.Tensor, first: bool) -> None:
+        if self.landing is not None:  # (a unit fed twice without summing: the first copy must have landed)
+            self.landing.wait(acc)
         if acc.device == grad.device:
             _sum_into(acc, grad, first)
         elif grad.device.type == "cuda":  # into host memory: down on a copy stream, summed by a host thread
@@ -218,9 +242,29 @@ class GradAccumulator:
             self.handed = {id(t): t for t in result.values()}
         return result
 
+    def guard_reads(self) -> None:
+        """The gradients `mean` handed out may still be landing: until the update takes them (`unguard`), any
+        torch operation that reads one waits for it first (`ReadGuard`)."""
+        if self.landing is not None and self.landing.pending and self.guard is None:
+            self.guard = ReadGuard(self.landing).push()
+
+    def unguard(self) -> None:
+        """The host work that waits for each gradient itself (offload's update) takes over from the guard."""
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
+
+    def settle(self) -> None:
+        """Every gradient has landed (a host wait), and the guard is gone."""
+        self.unguard()
+        if self.landing is not None:
+            self.landing.wait_all()
+
     def release(self) -> None:
-        """The call has ended (its update has read the sums): give the host buffers back for the next call
-        (`HostBuffers.give_back` keeps only those nothing else holds)."""
+        """The call has ended (its update has read the sums): everything has landed (gradients the step returns
+        are complete); give the host buffers back for the next call (`HostBuffers.give_back` keeps only those
+        nothing else holds)."""
+        self.settle()
         if self.host_adder is not None:
             self.host_adder.finish()
         self.begin()
@@ -228,12 +272,15 @@ class GradAccumulator:
         if self.host_buffers is not None:
             self.host_buffers.give_back(taken)
 
-    def _empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat buffer of ``n`` elements on ``device``: from the kept host buffers on the host."""
-        if device.type != "cpu" or self.host_buffers is None:
+    def _empty(self, n: int, dtype: torch.dtype, device: torch.device, page_locked: bool = False) -> torch.Tensor:
+        """A flat buffer of ``n`` elements on ``device``: from the kept host buffers on the host (page-locked ones
+        for gradients that land there straight from a GPU)."""
+        if device.type != "cpu":
             return _empty(n, dtype, device)
-        buffer = self.host_buffers.take(n, dtype)
-        self.taken.append(buffer)
+        if self.host_buffers is None:
+            return page_locked_empty(n, dtype) if page_locked else _empty(n, dtype, device)
+        buffer = self.host_buffers.take(n, dtype, page_locked)
+        self.taken.append((buffer, page_locked))
         return buffer
 
     def owns(self, t: torch.Tensor) -> bool:
@@ -250,26 +297,32 @@ class HostBuffers:
     its gradients in its metrics keeps them; the next call then takes fresh memory), so reuse can never
     overwrite a tensor the user sees. What one call did not take again is dropped at its end: the kept
     memory is at most one call's buffers. Safe across threads running calls of one stack at once.
+
+    Page-locked buffers (`page_locked_empty`) are registered once, when made, and kept registered while kept;
+    one that is dropped is unregistered when its last holder lets it go (a view the user still holds stays
+    valid memory).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
 
-    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer of ``n`` elements of ``dtype`` (a kept one if there is one; its values are stale)."""
+    def take(self, n: int, dtype: torch.dtype, page_locked: bool = False) -> torch.Tensor:
+        """A host buffer of ``n`` elements of ``dtype`` (a kept one if there is one; its values are stale),
+        page-locked if asked."""
         with self._lock:
-            free = self._free.get((n, dtype))
+            free = self._free.get((n, dtype, page_locked))
             if free:
                 return free.pop()
-        return _empty(n, dtype, torch.device("cpu"))
+        return page_locked_empty(n, dtype) if page_locked else _empty(n, dtype, torch.device("cpu"))
 
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
-        """Keep ``buffers`` for the next call (those held elsewhere are left alone), and drop the rest."""
-        kept: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        for buffer in buffers:
+    def give_back(self, buffers: list[tuple[torch.Tensor, bool]]) -> None:
+        """Keep ``buffers`` (``(buffer, page-locked)`` pairs, as taken) for the next call (those held elsewhere
+        are left alone), and drop the rest."""
+        kept: dict[tuple[int, torch.dtype, bool], list[torch.Tensor]] = {}
+        for buffer, page_locked in buffers:
             if _held_only_here(buffer):
-                kept.setdefault((buffer.numel(), buffer.dtype), []).append(buffer)
+                kept.setdefault((buffer.numel(), buffer.dtype, page_locked), []).append(buffer)
         with self._lock:
             self._free = kept
 
@@ -295,6 +348,11 @@ def _held_only_here(buffer: torch.Tensor) -> bool:
         return False
     # (``untyped_storage()`` makes one more reference of its own while it is asked)
     return use_count(buffer.untyped_storage()._cdata) == 2
+
+
+def crosses_to_host(grad: torch.Tensor, dest: torch.device) -> bool:
+    """Whether ``grad`` goes to host memory ``dest`` from a GPU, through a copy engine."""
+    return grad.device.type == "cuda" and dest.type == "cpu"
 
 
 def keyed_grads(grads: Any) -> tuple[dict, Callable[[dict], Any]]:

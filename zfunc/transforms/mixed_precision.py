@@ -264,6 +264,9 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
     def apply_gradients(self, next, state, grads, request):
         mp = self._state_of(state)
         master_dtype = self.policy.param
+        if request.grads_landing is not None and not (self.scaling == "none" and mp.master):
+            request.grads_landing.wait_all()  # (read here, on the host: cast or unscaled; `UpdateRequest`)
+            request = request._replace(grads_landing=None)
         if self.has_master:
             # Ask the update for the compute copy, written into the compute params themselves
             # where it can (a fused kernel does so in the same pass).

@@ -193,9 +193,13 @@ class offload(Transform):  # noqa: N801
         # state's tier as soon as its reduction lands (host memory for host and NVMe units), in its own
         # dtype (nothing is summed: exact), so no full-size gradient waits on the GPU for the host update.
         # `accumulate` inside installs its own accumulator; compiled steps and pipelines reduce otherwise.
+        # A GPU gradient goes straight into a page-locked host buffer, on a copy stream (`sums=False`): the update
+        # waits for each unit just before it reads it, anything else that reads one before the update waits for
+        # it then (`zfunc.tiers.landing`).
         if ctx.facts.stage < 2 or ctx.facts.accumulates or ctx.facts.pp > 1 or tracing():
             return None
-        ctx.grad_sink = GradAccumulator(None, lambda: optimizer_devices(state), host_buffers=kept_host_buffers(ctx))
+        ctx.grad_sink = GradAccumulator(None, lambda: optimizer_devices(state), host_buffers=kept_host_buffers(ctx),
+                                        sums=False)
         return ctx.grad_sink
 
     def run(self, state, batch):
@@ -210,11 +214,14 @@ class offload(Transform):  # noqa: N801
         sink: GradAccumulator | None = self.call_scratch()
         if sink is None:
             return next(fn, params, args, kwargs, has_aux)
+        sink.settle()  # (a second gradient call in one step: the first one's gradients have landed)
         sink.begin()
         value, grads = next(fn, params, args, kwargs, has_aux)
         keyed, rebuild = keyed_grads(grads)
         sink.add_tree(keyed)  # (what `shard` did not feed unit by unit: taken as it is)
-        return value, rebuild(sink.mean(1, keyed))
+        out = rebuild(sink.mean(1, keyed))
+        sink.guard_reads()  # until the update takes them, a read of a gradient still landing waits for it
+        return value, out
 
     # -- the update ------------------------------------------------------------
     def apply_gradients(self, next, state, grads, request):
@@ -222,6 +229,14 @@ class offload(Transform):  # noqa: N801
         if ctx is not None:
             ctx.state_consumed = True
         fused = ctx is not None and ctx.facts.fused_update and state.tx.fused is not None and not tracing()
+        sink: GradAccumulator | None = self.call_scratch()
+        if sink is not None:  # gradients still landing from the GPU: the fused update waits for each as it reads it
+            sink.unguard()
+            if sink.landing is not None and sink.landing.pending:
+                if fused:
+                    request = request._replace(grads_landing=sink.landing)
+                else:
+                    sink.landing.wait_all()
         if tracing():  # torch.compile: plain device-to-host copies the graph orders (`zfunc.compiled`)
             grads = {k: g.to("cpu") for k, g in grads.items()}
         elif not fused:  # the pytree update runs on host tensors: move the gradients there first
