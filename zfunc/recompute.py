@@ -50,6 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
+from zfunc.recompute_eager import run_recomputed
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -168,9 +169,8 @@ def _kept_on_host(tree: Any, pin_memory: bool) -> Any:
 
 
 def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, context_fn) -> Any:
-    """The eager route: torch's non-reentrant checkpoint around ``body`` (see the module docstring)."""
-    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
-
+    """The eager route (see the module docstring): `zfunc.recompute_eager` around ``body``; torch's
+    non-reentrant checkpoint where a selective policy (``context_fn``) chooses what to keep."""
     flat, spec = tree_flatten((args, kwargs))
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
@@ -182,13 +182,13 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
 
     def run(*_):
         if runs[0] and any(t._version != v for t, v in zip(inputs, versions)):
-            # torch's checkpoint would silently recompute from the changed values.
+            # A recompute from the changed values would silently give other gradients.
             raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
         if runs[0] and [t._version for t in weights] != weight_versions:
-            # What torch's checkpoint says of an argument it saved that changed (the parameters reach the body
-            # by closure, see below): `zfunc.autodiff` names the parameter written.
+            # What autograd says of a saved tensor that changed (the parameters reach the body by closure):
+            # `zfunc.autodiff` names the parameter written.
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: a parameter of a recomputed block changed between its forward "
                                "and the recompute in backward")
@@ -198,16 +198,18 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
             return body(dict(params), *a, **kw)
         return body(dict(params), *args, **kwargs)
 
+    # The devices whose RNG states the recompute replays (the CPU's always is): those of the parameters.
+    devices = {t.device for t in weights}
+    if context_fn is None:
+        return run_recomputed(run, devices)
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
     # The body reaches ``params`` by closure (the non-reentrant checkpoint differentiates whatever its forward
     # used), and torch's checkpoint is handed one of them per device: what it infers the device type and the
-    # devices whose RNG states it replays from. All of them walked its pytree code per argument, ~10 Python
-    # calls per parameter of every recomputed block, in forward and again in backward.
-    per_device: dict = {}
-    for t in params.values():
-        if isinstance(t, torch.Tensor):
-            per_device.setdefault(t.device, t)
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(run, *per_device.values(), use_reentrant=False, preserve_rng_state=True, **extra)
+    # devices whose RNG states it replays from.
+    per_device = {t.device: t for t in weights}
+    return checkpoint(run, *per_device.values(), use_reentrant=False, preserve_rng_state=True,
+                      context_fn=context_fn)
 
 
 class _Plan:
