@@ -109,10 +109,14 @@ class _Frame:
                     "another path when run again (a branch on a tensor's value, randomness outside torch's "
                     "RNG, a module whose state changed since the forward). Make the block compute the same "
                     "thing when run twice, or leave it out of the recompute.")
-            append(t.detach() if t.requires_grad else t)
+            # An alias without autograd history, for the record and for the recompute's own node (which is
+            # never differentiated): ``t`` itself may be that node's output, and a node keeping its own output
+            # is a reference cycle through C++ that nothing collects.
+            kept = t.detach()
+            append(kept)
             if n + 1 == expected:
                 raise _StopRecompute  # the rest of the block saves nothing backward needs
-            return t  # (what an op of the recompute itself keeps: its graph is never differentiated)
+            return kept
 
         now = _RngStates(self.rng.devices)
         self.rng.restore()
@@ -125,8 +129,8 @@ class _Frame:
             now.restore()
         if len(recorded) != expected:
             raise RuntimeError(
-                f"the recompute of a block saved {len(recorded)} tensors for backward where its forward saved "
-                f"{expected}: the block took another path when run again (a branch on a tensor's value, "
+                f"the recompute of a block saved only {len(recorded)} of the {expected} tensors its forward saved "
+                "for backward: the block took another path when run again (a branch on a tensor's value, "
                 "randomness outside torch's RNG, a module whose state changed since the forward). Make the "
                 "block compute the same thing when run twice, or leave it out of the recompute.")
         self.recomputed, self.task = recorded, task
