@@ -90,7 +90,7 @@ def test_the_record_is_dropped_as_backward_unpacks_it():
 
         out = run_recomputed(body, ())
     (frame,) = frames
-    saved = len(frame.saved)
+    saved = len(frame.numels)
     assert saved >= 5 and frame.recomputed == []  # nothing recomputed before backward
     recorded: list = []
     real_recompute = eager._Frame._recompute
@@ -146,7 +146,7 @@ def test_a_recompute_that_saves_fewer_tensors_is_refused():
         out.backward()
 
 
-def test_a_recompute_that_saves_another_shape_is_refused():
+def test_a_recompute_that_saves_another_size_is_refused():
     w = torch.randn(4, 4, requires_grad=True)
     rows = [3]
 
@@ -156,7 +156,7 @@ def test_a_recompute_that_saves_another_shape_is_refused():
     out = run_recomputed(body, ())
     rows[0] = 2  # the block's input shape changes between forward and backward
     with pytest.raises(RuntimeError, match=r"saved, as its tensor 0 for backward, a \(2, 4\) torch.float32 "
-                                           r"tensor where the forward saved a \(3, 4\)"):
+                                           r"tensor where the forward saved one of 12 elements of torch.float32"):
         out.backward()
 
 

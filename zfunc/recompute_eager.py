@@ -3,7 +3,8 @@ backward is replaced by small indices and recomputed when backward first needs i
 
 `run_recomputed(run, devices)` returns ``run()``. While ``run`` executes (with grad enabled), every tensor
 an op saves for backward is replaced, through saved-tensor hooks, by its position in the order of saving;
-only its shape and dtype are kept. The graph itself is the ordinary one, so every tensor that leaves the
+only its number of elements and dtype are kept (ints and dtypes: nothing the garbage collector tracks, so a
+step's hundreds of saved tensors add no collections). The graph itself is the ordinary one, so every tensor that leaves the
 block, through its return value or on the side (a forward hook, a list), gets exact gradients, as without
 recompute.
 
@@ -16,10 +17,10 @@ memory of a block's activations falls as its backward proceeds, as without recom
 
 What this does not keep from torch's non-reentrant ``torch.utils.checkpoint`` (whose semantics these are)
 is its Python per saved tensor (a holder and a weak reference per tensor, a metadata dictionary, a
-comparison of all of them): here packing one tensor appends its shape and dtype to a list, and the
+comparison of all of them): here packing one tensor appends its size and dtype to two lists, and the
 recompute compares each with what it records.
 
-Errors, each a ``RuntimeError`` naming what differs: the recompute saves a tensor of another shape or
+Errors, each a ``RuntimeError`` naming what differs: the recompute saves a tensor of another size or
 dtype than the forward did at that position, or fewer tensors (a forward that took another path: a
 branch on a value, a random choice outside torch's RNG); a position unpacked twice in one backward pass
 (``ctx.saved_tensors`` read twice in a custom Function's backward). A second backward pass through the
@@ -55,26 +56,27 @@ def run_recomputed(run: Callable[[], Any], devices: Iterable[torch.device]) -> A
     if not torch.is_grad_enabled():  # nothing is saved, nothing to recompute
         return run()
     frame = _Frame(run, devices)
-    saved = frame.saved
-    append = saved.append
+    numels, add_numel, add_dtype = frame.numels, frame.numels.append, frame.dtypes.append
 
     def pack(t: torch.Tensor) -> int:
-        append((t.shape, t.dtype))
-        return len(saved) - 1
+        add_numel(t.numel())
+        add_dtype(t.dtype)
+        return len(numels) - 1
 
     with saved_tensors_hooks(pack, frame.unpack):
         return run()
 
 
 class _Frame:
-    """One recomputed call: the shape and dtype of each tensor its forward saved, in order, and the
+    """One recomputed call: the size and dtype of each tensor its forward saved, in order, and the
     recomputed tensors of the backward pass now running that were not unpacked yet."""
 
-    __slots__ = ("run", "saved", "recomputed", "task", "rng", "autocast")
+    __slots__ = ("run", "numels", "dtypes", "recomputed", "task", "rng", "autocast")
 
     def __init__(self, run: Callable[[], Any], devices: Iterable[torch.device]) -> None:
         self.run = run
-        self.saved: list[tuple[torch.Size, torch.dtype]] = []
+        self.numels: list[int] = []
+        self.dtypes: list[torch.dtype] = []
         self.recomputed: list[torch.Tensor | None] = []
         self.task = None  # the backward pass (graph task) `recomputed` was made for
         self.rng = _RngStates(devices)
@@ -94,21 +96,20 @@ class _Frame:
         return t
 
     def _recompute(self, task: int) -> None:
-        saved = self.saved
-        expected = len(saved)
+        numels, dtypes = self.numels, self.dtypes
+        expected = len(numels)
         recorded: list[torch.Tensor | None] = []
         append = recorded.append
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             n = len(recorded)
-            shape, dtype = saved[n]
-            if t.shape != shape or t.dtype != dtype:
+            if t.numel() != numels[n] or t.dtype != dtypes[n]:
                 raise RuntimeError(
                     f"the recompute of a block saved, as its tensor {n} for backward, a {tuple(t.shape)} "
-                    f"{t.dtype} tensor where the forward saved a {tuple(shape)} {dtype} one: the block took "
-                    "another path when run again (a branch on a tensor's value, randomness outside torch's "
-                    "RNG, a module whose state changed since the forward). Make the block compute the same "
-                    "thing when run twice, or leave it out of the recompute.")
+                    f"{t.dtype} tensor where the forward saved one of {numels[n]} elements of {dtypes[n]}: "
+                    "the block took another path when run again (a branch on a tensor's value, randomness "
+                    "outside torch's RNG, a module whose state changed since the forward). Make the block "
+                    "compute the same thing when run twice, or leave it out of the recompute.")
             # An alias without autograd history, for the record and for the recompute's own node (which is
             # never differentiated): ``t`` itself may be that node's output, and a node keeping its own output
             # is a reference cycle through C++ that nothing collects.
