@@ -10,13 +10,16 @@ backward, so a block's full parameters are alive only while that block runs.
 
 Two routes, picked per call:
 
-- eagerly (zfunc's `value_and_grad` runs plain autograd), torch's
-  non-reentrant ``torch.utils.checkpoint``: the forward builds the ordinary
-  autograd graph and only the tensors its ops save are dropped and recomputed
-  on demand. So everything that leaves the block — its return value, but also
-  tensors a forward hook or a side list carries out (Hugging Face's
-  ``output_attentions``, an MoE router's logits for its load-balancing loss)
-  — gets exact gradients, as without recompute;
+- eagerly (zfunc's `value_and_grad` runs plain autograd), `zfunc.recompute_eager`
+  (the semantics of torch's non-reentrant ``torch.utils.checkpoint``, with a
+  Python call per saved tensor instead of a dozen): the forward builds the
+  ordinary autograd graph and only the tensors its ops save are dropped, kept
+  as their positions, and recomputed when backward first needs one. So
+  everything that leaves the block — its return value, but also tensors a
+  forward hook or a side list carries out (Hugging Face's ``output_attentions``,
+  an MoE router's logits for its load-balancing loss) — gets exact gradients,
+  as without recompute. A selective policy (``context_fn``, checkpoint's
+  ``SaveOps``) goes through torch's checkpoint, which implements it;
 - inside a `torch.func` transform (vmap for per-example gradients), where
   saved-tensor hooks and ``torch.utils.checkpoint`` are refused, an `autograd.Function` with
   ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
