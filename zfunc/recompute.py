@@ -105,7 +105,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     Returns:
       What ``body`` returns.
     """
-    _refuse_kv_cache((args, kwargs))
+    flat, spec = tree_flatten((args, kwargs))  # (once: what the checks and both routes walk)
+    _refuse_kv_cache(flat)
     if tracing():
         # torch.compile of the whole step: the block runs as it is and its activations stay (see
         # `zfunc.compiled`: neither route traces under the step's torch.func.vjp), so dropout needs no replay.
@@ -113,9 +114,9 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
         if inputs_to_host is not None:
             args, kwargs = _kept_on_host((args, kwargs), pin_memory=inputs_to_host)
-        return _checkpoint_eagerly(body, params, args, kwargs, context_fn)
+            flat, spec = tree_flatten((args, kwargs))
+        return _checkpoint_eagerly(body, params, args, kwargs, flat, spec, context_fn)
     keys = list(params)
-    flat, spec = tree_flatten((args, kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
     tensors = [x for x, t in zip(flat, is_tensor) if t]
     others = [x for x, t in zip(flat, is_tensor) if not t]
@@ -132,8 +133,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     return tree_unflatten(ctx_info.out_spec, list(outputs))
 
 
-def _refuse_kv_cache(tree: Any) -> None:
-    for other in tree_flatten(tree)[0]:
+def _refuse_kv_cache(leaves: list) -> None:
+    for other in leaves:
         if hasattr(other, "update") and hasattr(other, "get_seq_length"):
             # A Hugging Face key/value cache is mutated by the block: re-running
             # the block in backward would append its keys again and attend to them.
@@ -171,10 +172,11 @@ def _kept_on_host(tree: Any, pin_memory: bool) -> Any:
     return tree_unflatten(spec, out)
 
 
-def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, context_fn) -> Any:
+def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, flat: list, spec: Any,
+                        context_fn) -> Any:
     """The eager route (see the module docstring): `zfunc.recompute_eager` around ``body``; torch's
-    non-reentrant checkpoint where a selective policy (``context_fn``) chooses what to keep."""
-    flat, spec = tree_flatten((args, kwargs))
+    non-reentrant checkpoint where a selective policy (``context_fn``) chooses what to keep. ``flat, spec``:
+    ``(args, kwargs)`` flattened."""
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
