@@ -32,7 +32,7 @@ def _grads(blocks, x, recomputed: bool, seed: int = 3, side: list | None = None)
     x = x.detach().requires_grad_()
     h = x
     for block in blocks:
-        h = run_recomputed(lambda b=block, h=h: b(h), ()) if recomputed else block(h)
+        h = run_recomputed(lambda b=block, h=h: b(h), {x.device}) if recomputed else block(h)
     loss = h.square().sum() + (sum(t.sin().sum() for t in side) if side else 0)
     params = [p for b in blocks for p in b.parameters()]
     return torch.autograd.grad(loss, [*params, x])
@@ -47,6 +47,21 @@ def test_equals_the_plain_backward_with_dropout_replayed():
     for a, b in zip(again, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # The masks matter: another seed gives other gradients (so the replay is what makes them equal).
+    other = _grads(blocks, x, recomputed=False, seed=4)
+    assert any(not torch.equal(a, b) for a, b in zip(other, plain))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_equals_the_plain_backward_with_dropout_replayed_on_cuda():
+    """The CUDA generator's state is captured and replayed too (the CPU's alone would leave GPU dropout
+    masks different in the recompute)."""
+    torch.manual_seed(0)
+    blocks = [Block().cuda() for _ in range(3)]
+    x = torch.randn(4, 5, 6, device="cuda")
+    plain = _grads(blocks, x, recomputed=False)
+    again = _grads(blocks, x, recomputed=True)
+    for a, b in zip(again, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     other = _grads(blocks, x, recomputed=False, seed=4)
     assert any(not torch.equal(a, b) for a, b in zip(other, plain))
 
