@@ -184,8 +184,8 @@ def test_a_saved_tensor_unpacked_twice_is_refused():
 
         @staticmethod
         def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            (x,) = ctx.saved_tensors  # a second read of the same saved tensor
+            ctx.saved_tensors  # noqa: B018
+            ctx.saved_tensors  # noqa: B018 (a second read of the same saved tensor)
             return g * 2
 
     x = torch.randn(3, requires_grad=True)

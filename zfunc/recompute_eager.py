@@ -4,9 +4,9 @@ backward is replaced by small indices and recomputed when backward first needs i
 `run_recomputed(run, devices)` returns ``run()``. While ``run`` executes (with grad enabled), every tensor
 an op saves for backward is replaced, through saved-tensor hooks, by its position in the order of saving;
 only its number of elements and dtype are kept (ints and dtypes: nothing the garbage collector tracks, so a
-step's hundreds of saved tensors add no collections). The graph itself is the ordinary one, so every tensor that leaves the
-block, through its return value or on the side (a forward hook, a list), gets exact gradients, as without
-recompute.
+step's hundreds of saved tensors add no collections). The graph itself is the ordinary one, so every tensor
+that leaves the block, through its return value or on the side (a forward hook, a list), gets exact
+gradients, as without recompute.
 
 When backward first unpacks one of those positions, ``run`` is executed again once, with the forward's RNG
 states (dropout draws the same masks) and autocast settings, under hooks that record what it saves, in
@@ -29,7 +29,8 @@ same graph (``retain_graph=True``) recomputes the block again for that pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
@@ -71,7 +72,7 @@ class _Frame:
     """One recomputed call: the size and dtype of each tensor its forward saved, in order, and the
     recomputed tensors of the backward pass now running that were not unpacked yet."""
 
-    __slots__ = ("run", "numels", "dtypes", "recomputed", "task", "rng", "autocast")
+    __slots__ = ("autocast", "dtypes", "numels", "recomputed", "rng", "run", "task")
 
     def __init__(self, run: Callable[[], Any], devices: Iterable[torch.device]) -> None:
         self.run = run
@@ -144,7 +145,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 class _RngStates:
     """The CPU's RNG state and those of ``devices`` (CUDA devices, once CUDA is initialized)."""
 
-    __slots__ = ("devices", "cpu", "cuda")
+    __slots__ = ("cpu", "cuda", "devices")
 
     def __init__(self, devices: Iterable[torch.device]) -> None:
         self.cpu = torch.get_rng_state()
