@@ -5,8 +5,8 @@ stashes its gate logits on the side, Hugging Face's ``output_attentions=True``
 and an MoE router's logits for the load-balancing loss (Mixtral with
 ``output_router_logits=True``): the loss uses tensors computed inside a block
 that `checkpoint` or ``shard(stage=3)`` recomputes. Eagerly (zfunc's own
-``value_and_grad``) the recompute is torch's non-reentrant checkpoint, so those
-tensors get their gradients: the result equals the plain step's, bit for bit.
+``value_and_grad``) the recompute keeps the ordinary autograd graph and drops only
+its saved tensors (`zfunc.recompute_eager`), so those tensors get their gradients: the result equals the plain step's, bit for bit.
 Where the recompute is an ``autograd.Function`` (under a torch.func transform)
 a side output would get no gradient: zfunc watches what the block computes
 and refuses, naming the remedies; a module's detached caches are not refused.

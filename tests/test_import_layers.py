@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("the interpreter: the step context", ("step_context",)),
     ("the interpreter: primitives and dispatch", ("primitives",)),
     ("the interpreter: transforms and stacks", ("interpret",)),
-    ("autodiff", ("autodiff", "recompute")),
+    ("autodiff", ("autodiff", "recompute_eager", "recompute")),
     ("functional model: the call", ("model_structure", "model_call", "blocks", "functional")),
     ("kernels, tiers and collectives", ("kernels", "tiers", "dist", "mesh")),
     ("state and optimizers", ("optim", "state")),

@@ -25,8 +25,8 @@ call, so the eager step is unchanged):
 - fp16 loss scaling: the skip of an overflowing step is a ``torch.where`` on
   the update instead of a Python branch on a host read;
 - a recomputed block (`checkpoint`, stage 3's recompute) runs as it is: the
-  step differentiates with `torch.func.vjp`, under which torch's checkpoint
-  region (saved-tensor hooks) is refused, and an ``autograd.Function`` that
+  step differentiates with `torch.func.vjp`, under which the eager
+  recompute's saved-tensor hooks (and torch's checkpoint region) are refused, and an ``autograd.Function`` that
   re-runs the block under a nested ``torch.func.vjp`` in its backward fails
   in functorch's level bookkeeping (torch 2.11 and 2.13). So the graph keeps
   a block's activations, and at stage 3 its gathered weights, from forward to

@@ -313,27 +313,26 @@ class _BlockOverride:
         give, read from the sub-modules' slot dicts directly: the module walk is found once per block
         (`ModelStructure.submodules`), and a buffer registered during the forward is still seen.
         """
+        # (A tensor held under two names is marked under both: the before/after comparison is the same. Walked
+        # per recomputed block twice a step, so kept to one pass without sets.)
         marks: dict[str, tuple[int, int]] = {}
-        seen: set[int] = set()
         for prefix, module in self.submodules:
-            for attr, t in module._buffers.items():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    marks[prefix + attr] = (id(t), t._version)
-        for name, t in self.constants.items():
-            marks[name] = (id(t), t._version)
-        seen.clear()
-        for prefix, module in self.submodules:
+            buffers = module._buffers
+            if buffers:
+                for attr, t in buffers.items():
+                    if t is not None:
+                        marks[prefix + attr] = (id(t), t._version)
             for attr, p in module._parameters.items():
-                if p is None or id(p) in seen:
+                if p is None:
                     continue
-                seen.add(id(p))
                 if type(p) is OutsideItsBlock:
                     # A stand-in for a sharded parameter (made without grad; never written: a write is
                     # refused): what its requires_grad and _version report, without its __torch_function__.
                     marks[prefix + attr] = (id(p), 0)
                 elif not p.requires_grad:
                     marks[prefix + attr] = (id(p), p._version)
+        for name, t in self.constants.items():
+            marks[name] = (id(t), t._version)
         return marks
 
     def install(self) -> None:

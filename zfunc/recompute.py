@@ -10,13 +10,16 @@ backward, so a block's full parameters are alive only while that block runs.
 
 Two routes, picked per call:
 
-- eagerly (zfunc's `value_and_grad` runs plain autograd), torch's
-  non-reentrant ``torch.utils.checkpoint``: the forward builds the ordinary
-  autograd graph and only the tensors its ops save are dropped and recomputed
-  on demand. So everything that leaves the block — its return value, but also
-  tensors a forward hook or a side list carries out (Hugging Face's
-  ``output_attentions``, an MoE router's logits for its load-balancing loss)
-  — gets exact gradients, as without recompute;
+- eagerly (zfunc's `value_and_grad` runs plain autograd), `zfunc.recompute_eager`
+  (the semantics of torch's non-reentrant ``torch.utils.checkpoint``, with a
+  Python call per saved tensor instead of a dozen): the forward builds the
+  ordinary autograd graph and only the tensors its ops save are dropped, kept
+  as their positions, and recomputed when backward first needs one. So
+  everything that leaves the block — its return value, but also tensors a
+  forward hook or a side list carries out (Hugging Face's ``output_attentions``,
+  an MoE router's logits for its load-balancing loss) — gets exact gradients,
+  as without recompute. A selective policy (``context_fn``, checkpoint's
+  ``SaveOps``) goes through torch's checkpoint, which implements it;
 - inside a `torch.func` transform (vmap for per-example gradients), where
   saved-tensor hooks and ``torch.utils.checkpoint`` are refused, an `autograd.Function` with
   ``setup_context`` that runs ``body`` without grad, keeps its inputs, and in
@@ -50,6 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
+from zfunc.recompute_eager import run_recomputed
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -101,7 +105,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     Returns:
       What ``body`` returns.
     """
-    _refuse_kv_cache((args, kwargs))
+    flat, spec = tree_flatten((args, kwargs))  # (once: what the checks and both routes walk)
+    _refuse_kv_cache(flat)
     if tracing():
         # torch.compile of the whole step: the block runs as it is and its activations stay (see
         # `zfunc.compiled`: neither route traces under the step's torch.func.vjp), so dropout needs no replay.
@@ -109,9 +114,9 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
         if inputs_to_host is not None:
             args, kwargs = _kept_on_host((args, kwargs), pin_memory=inputs_to_host)
-        return _checkpoint_eagerly(body, params, args, kwargs, context_fn)
+            flat, spec = tree_flatten((args, kwargs))
+        return _checkpoint_eagerly(body, params, args, kwargs, flat, spec, context_fn)
     keys = list(params)
-    flat, spec = tree_flatten((args, kwargs))
     is_tensor = [isinstance(x, torch.Tensor) for x in flat]
     tensors = [x for x, t in zip(flat, is_tensor) if t]
     others = [x for x, t in zip(flat, is_tensor) if not t]
@@ -128,8 +133,8 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     return tree_unflatten(ctx_info.out_spec, list(outputs))
 
 
-def _refuse_kv_cache(tree: Any) -> None:
-    for other in tree_flatten(tree)[0]:
+def _refuse_kv_cache(leaves: list) -> None:
+    for other in leaves:
         if hasattr(other, "update") and hasattr(other, "get_seq_length"):
             # A Hugging Face key/value cache is mutated by the block: re-running
             # the block in backward would append its keys again and attend to them.
@@ -167,11 +172,11 @@ def _kept_on_host(tree: Any, pin_memory: bool) -> Any:
     return tree_unflatten(spec, out)
 
 
-def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, context_fn) -> Any:
-    """The eager route: torch's non-reentrant checkpoint around ``body`` (see the module docstring)."""
-    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
-
-    flat, spec = tree_flatten((args, kwargs))
+def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict, flat: list, spec: Any,
+                        context_fn) -> Any:
+    """The eager route (see the module docstring): `zfunc.recompute_eager` around ``body``; torch's
+    non-reentrant checkpoint where a selective policy (``context_fn``) chooses what to keep. ``flat, spec``:
+    ``(args, kwargs)`` flattened."""
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
@@ -182,13 +187,13 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
 
     def run(*_):
         if runs[0] and any(t._version != v for t, v in zip(inputs, versions)):
-            # torch's checkpoint would silently recompute from the changed values.
+            # A recompute from the changed values would silently give other gradients.
             raise RuntimeError("an input of a recomputed block was modified by an inplace operation between the "
                                "forward and the backward pass, so the recompute would see other values; clone "
                                "it before changing it in place")
         if runs[0] and [t._version for t in weights] != weight_versions:
-            # What torch's checkpoint says of an argument it saved that changed (the parameters reach the body
-            # by closure, see below): `zfunc.autodiff` names the parameter written.
+            # What autograd says of a saved tensor that changed (the parameters reach the body by closure):
+            # `zfunc.autodiff` names the parameter written.
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
                                "inplace operation: a parameter of a recomputed block changed between its forward "
                                "and the recompute in backward")
@@ -198,16 +203,18 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
             return body(dict(params), *a, **kw)
         return body(dict(params), *args, **kwargs)
 
+    # The devices whose RNG states the recompute replays (the CPU's always is): those of the parameters.
+    devices = {t.device for t in weights}
+    if context_fn is None:
+        return run_recomputed(run, devices)
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+
     # The body reaches ``params`` by closure (the non-reentrant checkpoint differentiates whatever its forward
     # used), and torch's checkpoint is handed one of them per device: what it infers the device type and the
-    # devices whose RNG states it replays from. All of them walked its pytree code per argument, ~10 Python
-    # calls per parameter of every recomputed block, in forward and again in backward.
-    per_device: dict = {}
-    for t in params.values():
-        if isinstance(t, torch.Tensor):
-            per_device.setdefault(t.device, t)
-    extra = {"context_fn": context_fn} if context_fn is not None else {}
-    return checkpoint(run, *per_device.values(), use_reentrant=False, preserve_rng_state=True, **extra)
+    # devices whose RNG states it replays from.
+    per_device = {t.device: t for t in weights}
+    return checkpoint(run, *per_device.values(), use_reentrant=False, preserve_rng_state=True,
+                      context_fn=context_fn)
 
 
 class _Plan:

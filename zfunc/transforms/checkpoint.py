@@ -2,9 +2,10 @@
 
 ``checkpoint(step, modules=None, policy="recompute")``: the activations inside
 each chosen block are not kept from the forward pass; the block is re-run in
-backward (`zfunc.recompute`, an ``autograd.Function`` that works inside
-`zfunc.value_and_grad` and `torch.func` transforms, where
-`torch.utils.checkpoint` fails). The RNG state is replayed, so dropout masks
+backward (`zfunc.recompute`: under `zfunc.value_and_grad` the ordinary graph
+with its saved tensors dropped and recomputed, `zfunc.recompute_eager`; inside
+`torch.func` transforms, where saved-tensor hooks are refused, an
+``autograd.Function``). The RNG state is replayed, so dropout masks
 are the same in the recompute: the step computes exactly what the plain step
 computes.
 

@@ -19,7 +19,7 @@ AOTAutograd caches (on by default) a second process compiles from the cache.
 And what the whole-step compile cannot do, this does: the step's memory is
 the eager step's. Stage 3 releases each block's gathered parameters after
 its forward and gathers again for its backward; ``checkpoint`` recomputes a
-block (the compiled forward again, inside torch's checkpoint) and re-gathers
+block (the compiled forward again, inside the eager recompute) and re-gathers
 its parameters in backward, so a block's full parameters are alive only while
 it runs.
 
