@@ -204,3 +204,36 @@ def test_no_plan_where_one_launch_cannot_take_the_update(device_path, monkeypatc
     assert isinstance(tx.fused.tables[fused._PLAN], list)  # remembered for these parameters: not asked again
     fused.fused_update(tx.fused, params, grads, opt_state)
     assert device_path["builds"] == 1
+
+
+def _shard_run(stage: int, policy: str, planned: bool):
+    from tests.shard_cases import STEPS, build, local_batch, rank_and_world
+    from zfunc.transforms import mixed_precision, shard
+
+    if not planned:
+        fused._device_plan = lambda *a: None  # (a forked rank's own module: the parent's stays)
+    inner, state = build("clip+schedule")
+    # (fp16: the scale chosen so that the second of the three steps overflows and is skipped)
+    knobs = {"initial_scale_power": 15, "hysteresis": 1} if policy == "fp16" else {}
+    step = shard(mixed_precision(inner, policy, **knobs), stage=stage)
+    state = step.init(state)
+    rank, world = rank_and_world()
+    for i in range(STEPS):
+        state, _ = step(state, local_batch(i, rank, world))
+    mp = state.extras["mixed_precision"]
+    return {"params": {k: v.clone() for k, v in state.params.items()},
+            "master": {k: v.clone() for k, v in mp.master.items()}, "scale": float(mp.loss_scale)}
+
+
+@quiet
+@pytest.mark.parametrize("stage, policy", [(1, "bf16"), (2, "fp16"), (3, "bf16")])
+def test_shard_through_one_launch_is_the_per_run_kernel(device_path, monkeypatch, stage, policy):
+    planned = _shard_run(stage, policy, True)
+    assert device_path["runs"] == 3 and device_path["builds"] == 1 and device_path["flat"] == 0
+    monkeypatch.setattr(fused, "_device_plan", lambda *a: None)
+    reference = _shard_run(stage, policy, False)
+    assert device_path["flat"] > 0
+    assert planned["scale"] == reference["scale"] == (2.0 ** 14 if policy == "fp16" else 1.0)
+    for part in ("params", "master"):
+        for k, v in reference[part].items():
+            assert torch.equal(bits(planned[part][k]), bits(v)), (part, k)

@@ -22,14 +22,42 @@ so a state dropped by its user is freed as before.
 from __future__ import annotations
 
 import bisect
+import operator
 import weakref
 
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
 
-# Per key of a state operand: (weak reference to the tensor, its address, dtype, numel).
-_Held = tuple[weakref.ref, int, torch.dtype, int]
+
+class _Held:
+    """What a plan expects of one state operand (params, moments, compute copy), key by key: the tensor it was
+    built from (weakly), its address, dtype and size."""
+
+    __slots__ = ("dtypes", "numels", "ptrs", "refs")
+
+    def __init__(self, d: dict, keys: tuple) -> None:
+        tensors = [d[k] for k in keys]
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+
+    def still_at(self, d: dict, keys: tuple, device_index: int) -> bool:
+        """Whether ``d`` holds, key by key, the tensor the plan was built from at its address, or one of its
+        dtype and size, contiguous, at that address on the plan's device (e.g. a new view of the same
+        buffer)."""
+        tensors = [d[k] for k in keys]
+        if all(map(operator.is_, tensors, [r() for r in self.refs])) and [t.data_ptr() for t in tensors] == self.ptrs:
+            return True  # (the usual step: the very tensors, where they were)
+        for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
+            if ref() is t:
+                if numel and t.data_ptr() != ptr:
+                    return False
+            elif t.numel() != numel or (numel and (t.data_ptr() != ptr or t.dtype != dtype
+                                                   or t.get_device() != device_index or not t.is_contiguous())):
+                return False
+        return True
 
 
 class DevicePlan:
@@ -45,7 +73,8 @@ class DevicePlan:
 
     def __init__(self, keys, device, out_dtype, grad_dtype, table, held, grad_runs, state_spans) -> None:
         self.keys, self.device, self.out_dtype, self.grad_dtype, self.table = keys, device, out_dtype, grad_dtype, table
-        self._held = held  # per state operand (params, mu, nu[, into]): one _Held per key
+        self._held = held  # per state operand (params, mu, nu[, into])
+        self._device_index = device.index if device.type == "cuda" else -1  # (Tensor.get_device's number)
         self._grad_runs = grad_runs  # per run: its first key and ((key, byte offset, numel), ...)
         self._item = torch.empty((), dtype=grad_dtype).element_size()
         self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
@@ -83,7 +112,7 @@ class DevicePlan:
             return None  # state buffers sharing memory: adam_flat_ refuses them, the general path says so
         table = AdamRuns.build(bases, segments, lengths, device, out_dtype=out_dtype)
         keys = tuple(params)
-        held = [[(weakref.ref(d[k]), d[k].data_ptr(), d[k].dtype, d[k].numel()) for k in keys] for d in operands]
+        held = [_Held(d, keys) for d in operands]
         return cls(keys, device, out_dtype, grad_dtype, table, held, grad_runs, spans)
 
     def grad_addresses(self, params: dict, grads: dict, mu: dict, nu: dict, into: dict | None) -> list[int] | None:
@@ -94,21 +123,21 @@ class DevicePlan:
             return None
         try:
             operands = (params, mu, nu) if into is None else (params, mu, nu, into)
-            if not all(_still_at(d, keys, held, self.device) for d, held in zip(operands, self._held)):
+            if not all(held.still_at(d, keys, self._device_index) for d, held in zip(operands, self._held)):
                 return None
             return self._grads_at(grads)
         except KeyError:
             return None
 
     def _grads_at(self, grads: dict) -> list[int] | None:
-        dtype, device, item = self.grad_dtype, self.device, self._item
+        dtype, device_index, item = self.grad_dtype, self._device_index, self._item
         ptrs = []
         for first, members in self._grad_runs:
             base = grads[first].data_ptr()
             for k, offset, n in members:
                 g = grads[k]
-                if (g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype or g.device != device
-                        or not g.is_contiguous()):
+                if (g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype
+                        or g.get_device() != device_index or not g.is_contiguous()):
                     return None
             end = base + members[-1][1] + members[-1][2] * item
             i = bisect.bisect_right(self._starts, base)  # read-only, but never a buffer the kernel writes
@@ -126,16 +155,3 @@ class DevicePlan:
                    grad_scale=None if divisor is None else divisor.to(device),
                    found_inf=None if skip is None else skip.to(device))
 
-
-def _still_at(d: dict, keys: tuple, held: list[_Held], device: torch.device) -> bool:
-    """Whether ``d`` holds, key by key, the tensor the plan was built from at its address, or one of its dtype and
-    size, contiguous, at that address on ``device`` (e.g. a new view of the same buffer)."""
-    for k, (ref, ptr, dtype, numel) in zip(keys, held):
-        t = d[k]
-        if ref() is t:
-            if numel and t.data_ptr() != ptr:
-                return False
-        elif t.numel() != numel or (numel and (t.data_ptr() != ptr or t.dtype != dtype or t.device != device
-                                               or not t.is_contiguous())):
-            return False
-    return True

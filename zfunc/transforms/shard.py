@@ -51,6 +51,7 @@ volumes.
 from __future__ import annotations
 
 import numbers
+import weakref
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -99,6 +100,36 @@ class _Call:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
+
+
+class _StateViews:
+    """Stages 1/2, eager: each unit's flat buffer of one state and this rank's shard views of them, found once
+    (`shard._flats_and_shards`) and reused while ``state.params`` holds the very tensors they were found from.
+
+    One state at a time, dropped when that state's first parameter is freed, so that a state its user let go
+    is not kept alive by its views."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[list[weakref.ref], dict, dict] | None = None
+
+    def get(self, params: dict) -> tuple[dict, dict] | None:
+        entry = self._entry
+        if entry is None or len(entry[0]) != len(params) or not all(map(_is_referent, entry[0], params.values())):
+            return None
+        return entry[1], entry[2]
+
+    def put(self, params: dict, flats: dict, shards: dict) -> None:
+        refs = [weakref.ref(t) for t in params.values()]
+        self._entry = (refs, flats, shards)
+        weakref.finalize(next(iter(params.values())), self._drop, refs)
+
+    def _drop(self, refs: list) -> None:
+        if self._entry is not None and self._entry[0] is refs:
+            self._entry = None
+
+
+def _is_referent(ref: weakref.ref, t: torch.Tensor) -> bool:
+    return ref() is t
 
 
 class shard(Transform):  # noqa: N801
@@ -151,6 +182,7 @@ class shard(Transform):  # noqa: N801
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
         self.mesh = mesh
         self.reshard, self.timeout, self.verify = reshard, timeout, verify
+        self._state_views = _StateViews()
         self.stack.facts  # noqa: B018 - the stack is checked when it is built (e.g. offload(params="host") needs stage 3)
 
     def settings(self) -> dict[str, Any]:
@@ -321,6 +353,23 @@ class shard(Transform):  # noqa: N801
             shards.update(unit.shard_views(unit.rank_region(flats[unit.name], layout.rank), layout.rank))
         return shards
 
+    def _flats_and_shards(self, params: dict, layout: ShardLayout) -> tuple[dict | None, dict]:
+        """``(unit flats, this rank's shards)`` of the state whose params are ``params`` (stages 1/2: the flats
+        and views `_full_flats` and `_param_shards` find, built once per state, `_StateViews`; stage 3: None
+        and the params themselves). The shards are a dict of the caller's own, the tensors the same views
+        step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
+        if self.stage == 3:
+            return None, dict(params)
+        if tracing() or not params:
+            flats = self._full_flats(params, layout)
+            return flats, self._param_shards(params, layout, flats)
+        found = self._state_views.get(params)
+        if found is None:
+            flats = self._full_flats(params, layout)
+            found = (flats, self._param_shards(params, layout, flats))
+            self._state_views.put(params, *found)
+        return found[0], dict(found[1])
+
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
         layout, group = self._check_layout(state)
@@ -456,12 +505,13 @@ class shard(Transform):  # noqa: N801
         keys = set(layout.keys)
         if set(grads) != keys:
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
-        flats = self._full_flats(state.params, layout) if self.stage != 3 else None
-        shards = self._param_shards(state.params, layout, flats)
+        flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
+            if fresh is old:  # (the fused update hands back the moments it updated in place)
+                return old
             for k, t in old.items():
                 if fresh[k] is not t:
                     t.copy_(fresh[k])
@@ -472,7 +522,7 @@ class shard(Transform):  # noqa: N801
         extras = zip_param_shaped(state.extras, new.state.extras, keys, write_back)
         if self.stage != 3 and tracing():
             gather_updated(comm, state.params, layout)
-        elif self.stage != 3:
+        elif self.stage != 3 and comm.group.size > 1:  # (at world 1 the shard is the whole flat: updated in place)
             for unit in layout.units:
                 flat = flats[unit.name]
                 comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)
