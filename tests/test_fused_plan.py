@@ -57,13 +57,13 @@ def per_run(monkeypatch):
     monkeypatch.setattr(fused, "_device_plan", lambda *a: None)
 
 
-def views(flats: dict, dtype=torch.float32, fill=None, seed=0) -> dict:
+def views(flats: dict, dtype=torch.float32, fill=None, seed=0, device="cpu") -> dict:
     """Per-key views of one flat buffer per unit (shard's layout), the flats kept in ``flats``."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for unit, entries in UNITS.items():
         n = sum(torch.Size(s).numel() for _, s in entries)
-        flat = (torch.randn(n, generator=g) if fill is None else torch.full((n,), fill)).to(dtype)
+        flat = (torch.randn(n, generator=g) if fill is None else torch.full((n,), fill)).to(device, dtype)
         flats[unit] = flat
         o = 0
         for k, s in entries:
@@ -73,13 +73,13 @@ def views(flats: dict, dtype=torch.float32, fill=None, seed=0) -> dict:
     return out
 
 
-def make_state(tx):
+def make_state(tx, device="cpu"):
     keep = {}
-    params = views(keep, seed=1)
+    params = views(keep, seed=1, device=device)
     opt_state = tx.init(params)
     spec = tx.fused
     adam = spec.adam_state(opt_state)
-    mu, nu = views(keep, fill=0.0), views(keep, fill=0.0)
+    mu, nu = views(keep, fill=0.0, device=device), views(keep, fill=0.0, device=device)
     opt_state = fused._replace_at(opt_state, spec.adam_path, ScaleByAdamState(adam.count, mu, nu))
     return params, opt_state, keep
 
@@ -91,14 +91,14 @@ def optimizer(mode: str, clip: bool):
     return zf.optim.chain(zf.optim.clip_by_global_norm(0.5), tx) if clip else tx
 
 
-def run(tx, grad_dtype, out_dtype, steps=3, skip_at=None, grads_of=None):
+def run(tx, grad_dtype, out_dtype, steps=3, skip_at=None, grads_of=None, device="cpu"):
     """``steps`` fused updates with fresh gradients (a new flat per unit each step); the state after."""
-    params, opt_state, keep = make_state(tx)
+    params, opt_state, keep = make_state(tx, device)
     copy_keep = {}
-    into = views(copy_keep, dtype=out_dtype, fill=0.0) if out_dtype is not None else None
+    into = views(copy_keep, dtype=out_dtype, fill=0.0, device=device) if out_dtype is not None else None
     for t in range(steps):
-        grads = views({}, dtype=grad_dtype, seed=10 + t) if grads_of is None else grads_of(t)
-        skip = None if skip_at is None else torch.tensor(t == skip_at)
+        grads = views({}, dtype=grad_dtype, seed=10 + t, device=device) if grads_of is None else grads_of(t)
+        skip = None if skip_at is None else torch.tensor(t == skip_at, device=device)
         params, opt_state, copy = fused.fused_update(tx.fused, params, grads, opt_state, out_dtype, into, skip=skip)
     return params, opt_state, copy
 
@@ -116,6 +116,21 @@ def assert_same(a, b, spec):
         assert x.keys() == y.keys()
         for k in x:
             assert torch.equal(bits(x[k]), bits(y[k])), k
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and ga.triton_available()), reason="needs CUDA + triton")
+@pytest.mark.parametrize("mode, clip, grad_dtype, out_dtype, skip_at", [
+    ("adamw", False, torch.bfloat16, torch.bfloat16, None), ("adam", True, torch.float32, torch.float16, 1)])
+def test_cuda_one_launch_is_the_per_run_kernel(monkeypatch, mode, clip, grad_dtype, out_dtype, skip_at):
+    """On a GPU, unpatched: the fused update is one launch, bit for bit the per-run kernel's result."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    launches = []
+    monkeypatch.setattr(fused_plan, "adam_runs_", lambda *a, **k: (launches.append(1), ga.adam_runs_(*a, **k)))
+    tx = optimizer(mode, clip)
+    planned = run(tx, grad_dtype, out_dtype, skip_at=skip_at, device="cuda")
+    assert len(launches) == 3
+    per_run(monkeypatch)
+    assert_same(planned, run(optimizer(mode, clip), grad_dtype, out_dtype, skip_at=skip_at, device="cuda"), tx.fused)
 
 
 @quiet

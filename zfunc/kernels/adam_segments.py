@@ -266,9 +266,9 @@ class AdamRuns:
                 for s, m in chunk_spans(start, n, chunk):
                     rows.append((i, s, m, int(aligned and s % ALIGN == 0 and m % ALIGN == 0)))
                     wds.append(wd)
-        return cls(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(device),
-                   torch.tensor(wds, dtype=torch.float32).to(device),
-                   torch.tensor([list(b) for b in bases], dtype=torch.int64).reshape(-1, 4).to(device),
+        return cls(_to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), device),
+                   _to_device(torch.tensor(wds, dtype=torch.float32), device),
+                   _to_device(torch.tensor([list(b) for b in bases], dtype=torch.int64).reshape(-1, 4), device),
                    tuple(int(n) for n in lengths), out_dtype, chunk)
 
     def set_grads(self, ptrs: list[int]) -> None:
@@ -283,3 +283,11 @@ class AdamRuns:
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
         self.grads.copy_(host, non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU from pinned memory without waiting (a table built during a step, e.g.
+    for gradients laid out anew, must not make the host wait for the queue)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
