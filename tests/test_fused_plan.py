@@ -237,7 +237,8 @@ def _shard_run(stage: int, policy: str, planned: bool):
         state, _ = step(state, local_batch(i, rank, world))
     mp = state.extras["mixed_precision"]
     return {"params": {k: v.clone() for k, v in state.params.items()},
-            "master": {k: v.clone() for k, v in mp.master.items()}, "scale": float(mp.loss_scale)}
+            "master": {k: v.clone() for k, v in mp.master.items()}, "scale": float(mp.loss_scale),
+            "planned": isinstance(state.tx.fused.tables.get(fused._PLAN), fused_plan.DevicePlan)}
 
 
 @quiet
@@ -252,3 +253,19 @@ def test_shard_through_one_launch_is_the_per_run_kernel(device_path, monkeypatch
     for part in ("params", "master"):
         for k, v in reference[part].items():
             assert torch.equal(bits(planned[part][k]), bits(v)), (part, k)
+
+
+@quiet
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 3])
+def test_shard_at_world_2_through_one_launch_is_the_per_run_kernel(device_path, stage):
+    from zfunc.testing import run_distributed
+
+    planned = run_distributed(_shard_run, 2, stage, "bf16", True)
+    reference = run_distributed(_shard_run, 2, stage, "bf16", False)
+    for got, want in zip(planned, reference):
+        assert got["planned"] and not want["planned"]
+        for part in ("params", "master"):
+            assert got[part].keys() == want[part].keys()
+            for k, v in want[part].items():
+                assert torch.equal(bits(got[part][k]), bits(v)), (part, k)
