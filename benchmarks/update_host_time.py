@@ -2,6 +2,7 @@
 
     python benchmarks/update_host_time.py [--stacks floor,s1,s2,s3] [--steps 30] [--profile s3]
     python benchmarks/update_host_time.py --device cuda        # on a GPU: real launches, GPU time too
+    python benchmarks/update_host_time.py --device cuda --medium   # GPT-2 medium's real widths (355M)
 
 The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at width 64), in
 ``shard(mixed_precision(step, "bf16"), stage=N)`` at world 1; the phase timed is the update: from
@@ -16,7 +17,9 @@ is this thread's CPU time (other processes taking the cores do not count), the l
 once per launch counted.
 
 With ``--device cuda`` nothing is patched: the phase's host time (perf_counter, no sync inside the
-phase) and its GPU time (CUDA events), medians over the steps.
+phase) and its GPU time (CUDA events), medians over the steps. ``--medium``: GPT-2 medium at its real
+widths (355M parameters, vocabulary 50257; still 2 x 32 tokens), so that the update's GPU time is
+the real one (gpt_zero's optimizer phase) and the host time can be set against it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt_zero import floor_update, lm_loss
+from gpt_zero import make_model as make_gpt2
 from host_time import BATCH, SEQ, VOCAB, make_model
 
 import zfunc as zf
@@ -101,8 +105,8 @@ class Phase:
             self.events.append((self._e, e))
 
 
-def build(name: str, device: torch.device, phase: Phase):
-    model = make_model(24).to(device)
+def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
+    model = (make_gpt2(types.SimpleNamespace(model="medium", seq=SEQ)) if medium else make_model(24)).to(device)
     if name == "floor":
         master = [p.detach().clone() for p in model.parameters()]
         model.to(torch.bfloat16)
@@ -136,9 +140,10 @@ def build(name: str, device: torch.device, phase: Phase):
     return one
 
 
-def measure(name: str, device: torch.device, steps: int, launches: Launches, profile: bool = False) -> dict:
+def measure(name: str, device: torch.device, steps: int, launches: Launches, profile: bool = False,
+            medium: bool = False) -> dict:
     phase = Phase(device)
-    one = build(name, device, phase)
+    one = build(name, device, phase, medium)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(3):
         one(tokens)
@@ -168,6 +173,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cpu")
     p.add_argument("--profile", default=None, help="a stack to cProfile over the timed steps")
+    p.add_argument("--medium", action="store_true", help="GPT-2 medium at its real widths (355M parameters)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     launches = Launches()
@@ -176,13 +182,15 @@ def main(argv=None) -> None:
         stub_device_path(launches)
     names = args.stacks.split(",")
     if args.profile:
-        print(measure(args.profile, device, args.steps, launches, profile=True)["profile"])
+        print(measure(args.profile, device, args.steps, launches, profile=True, medium=args.medium)["profile"])
         return
     where = "CPU, GPU path with stubbed launches" if device.type == "cpu" else torch.cuda.get_device_name(device)
-    print(f"# update phase, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of {args.steps} steps")
+    model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
+    print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
+          f"{args.steps} steps")
     print("| stack | host ms | GPU ms | Triton launches |\n|---|---|---|---|")
     for name in names:
-        r = measure(name, device, args.steps, launches)
+        r = measure(name, device, args.steps, launches, medium=args.medium)
         gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
         count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
         print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {count} |", flush=True)
