@@ -269,3 +269,53 @@ def test_shard_at_world_2_through_one_launch_is_the_per_run_kernel(device_path, 
             assert got[part].keys() == want[part].keys()
             for k, v in want[part].items():
                 assert torch.equal(bits(got[part][k]), bits(v)), (part, k)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_norm_of_low_precision_gradients_reads_them_as_they_are(monkeypatch, device):
+    """Clipping's Σ g² over bf16/fp16 gradients: their fp32 copies' number, bit for bit, without making them
+    (no cast per leaf: a copy of every gradient, and a launch each, per clipped step)."""
+    from zfunc.tree import tree_sum_of_squares
+
+    g = torch.Generator().manual_seed(0)
+    tree = {f"p{i}": (torch.randn(n, generator=g) * 3).to(device, dtype) for i, (n, dtype) in
+            enumerate([(7, torch.bfloat16), (1000, torch.float16), (123457, torch.bfloat16), (33, torch.float32),
+                       (0, torch.bfloat16), (70001, torch.float16)])}
+    want = tree_sum_of_squares({k: v.float() for k, v in tree.items()})
+    casts = []
+    original = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda self, *a, **k: (casts.append(self.dtype), original(self, *a, **k))[1])
+    got = tree_sum_of_squares(tree)
+    assert not {torch.bfloat16, torch.float16} & set(casts) and torch.equal(got, want)
+
+
+def test_stage_1_shard_views_found_once_per_state_and_let_go_with_it():
+    """shard stages 1/2 find a state's unit flats and shard views once (ShardLayout.state_views), reuse them
+    while the state's params are the same tensors, never for another state, and drop them with the state."""
+    import copy
+
+    from tests.shard_cases import build, local_batch
+    from zfunc.transforms import mixed_precision, shard
+
+    inner, plain = build("adamw")
+    step = shard(mixed_precision(inner, "bf16"), stage=1)
+    state = step.init(plain)
+    layout = state.extras["shard"]
+    state, _ = step(state, local_batch(0, 0, 1))
+    first = layout.state_views.get(state.params)
+    assert first is not None
+    state, _ = step(state, local_batch(1, 0, 1))
+    again = layout.state_views.get(state.params)
+    assert all(a is b for a, b in zip(again[1].values(), first[1].values()))  # the same views: not found again
+    twin = copy.deepcopy(state)  # (a copy: its own buffers, and no views of the original's)
+    assert twin.extras["shard"].state_views.get(twin.params) is None
+    assert layout.state_views.get(twin.params) is None
+    twin, _ = step(twin, local_batch(2, 0, 1))
+    assert all(a is not b for a, b in zip(twin.extras["shard"].state_views.get(twin.params)[1].values(),
+                                          first[1].values()))
+    views = layout.state_views
+    del state, first, again
+    import gc
+    gc.collect()
+    assert views._entry is None  # the dropped state's buffers are not held by its views

@@ -51,7 +51,6 @@ volumes.
 from __future__ import annotations
 
 import numbers
-import weakref
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -100,36 +99,6 @@ class _Call:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
-
-
-class _StateViews:
-    """Stages 1/2, eager: each unit's flat buffer of one state and this rank's shard views of them, found once
-    (`shard._flats_and_shards`) and reused while ``state.params`` holds the very tensors they were found from.
-
-    One state at a time, dropped when that state's first parameter is freed, so that a state its user let go
-    is not kept alive by its views."""
-
-    def __init__(self) -> None:
-        self._entry: tuple[list[weakref.ref], dict, dict] | None = None
-
-    def get(self, params: dict) -> tuple[dict, dict] | None:
-        entry = self._entry
-        if entry is None or len(entry[0]) != len(params) or not all(map(_is_referent, entry[0], params.values())):
-            return None
-        return entry[1], entry[2]
-
-    def put(self, params: dict, flats: dict, shards: dict) -> None:
-        refs = [weakref.ref(t) for t in params.values()]
-        self._entry = (refs, flats, shards)
-        weakref.finalize(next(iter(params.values())), self._drop, refs)
-
-    def _drop(self, refs: list) -> None:
-        if self._entry is not None and self._entry[0] is refs:
-            self._entry = None
-
-
-def _is_referent(ref: weakref.ref, t: torch.Tensor) -> bool:
-    return ref() is t
 
 
 class shard(Transform):  # noqa: N801
@@ -182,7 +151,6 @@ class shard(Transform):  # noqa: N801
         self.stage, self.group, self.units = stage, group, None if units is None else list(units)
         self.mesh = mesh
         self.reshard, self.timeout, self.verify = reshard, timeout, verify
-        self._state_views = _StateViews()
         self.stack.facts  # noqa: B018 - the stack is checked when it is built (e.g. offload(params="host") needs stage 3)
 
     def settings(self) -> dict[str, Any]:
@@ -355,7 +323,7 @@ class shard(Transform):  # noqa: N801
 
     def _flats_and_shards(self, params: dict, layout: ShardLayout) -> tuple[dict | None, dict]:
         """``(unit flats, this rank's shards)`` of the state whose params are ``params`` (stages 1/2: the flats
-        and views `_full_flats` and `_param_shards` find, built once per state, `_StateViews`; stage 3: None
+        and views `_full_flats` and `_param_shards` find, built once per state, `StateViews`; stage 3: None
         and the params themselves). The shards are a dict of the caller's own, the tensors the same views
         step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
         if self.stage == 3:
@@ -363,11 +331,11 @@ class shard(Transform):  # noqa: N801
         if tracing() or not params:
             flats = self._full_flats(params, layout)
             return flats, self._param_shards(params, layout, flats)
-        found = self._state_views.get(params)
+        found = layout.state_views.get(params)
         if found is None:
             flats = self._full_flats(params, layout)
             found = (flats, self._param_shards(params, layout, flats))
-            self._state_views.put(params, *found)
+            layout.state_views.put(params, *found)
         return found[0], dict(found[1])
 
     # -- the step ------------------------------------------------------------
