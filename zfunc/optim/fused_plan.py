@@ -133,11 +133,15 @@ class DevicePlan:
         dtype, device_index, item = self.grad_dtype, self._device_index, self._item
         ptrs = []
         for first, members in self._grad_runs:
-            base = grads[first].data_ptr()
+            head = grads[first]
+            if head.get_device() != device_index:
+                return None
+            base = head.data_ptr()
+            # (the device once per run: with CUDA's unified addressing an address names one allocation on one
+            # device, so a gradient found at the address its run expects is what the kernel reads there)
             for k, offset, n in members:
                 g = grads[k]
-                if (g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype
-                        or g.get_device() != device_index or not g.is_contiguous()):
+                if g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype or not g.is_contiguous():
                     return None
             end = base + members[-1][1] + members[-1][2] * item
             i = bisect.bisect_right(self._starts, base)  # read-only, but never a buffer the kernel writes
