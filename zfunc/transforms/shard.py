@@ -491,9 +491,13 @@ class shard(Transform):  # noqa: N801
         if self.stage != 3 and tracing():
             gather_updated(comm, state.params, layout)
         elif self.stage != 3 and comm.group.size > 1:  # (at world 1 the shard is the whole flat: updated in place)
+            # NCCL gathers in place: each rank's input is its own slot of the output (NCCL's documented in-place
+            # all-gather, as FSDP2 issues it), so the updated shard is not copied out first; gloo gets a copy.
+            in_place = comm.group.device.type == "cuda" and all(f.device == comm.group.device for f in flats.values())
             for unit in layout.units:
                 flat = flats[unit.name]
-                comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)
+                mine = unit.rank_region(flat, comm.group.rank)
+                comm.all_gather(mine if in_place else mine.clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
 
