@@ -18,6 +18,12 @@ unit is one run per weight decay) and hands each run to the CPU kernel
 (`zfunc.kernels.gpu_adam.adam_flat_`) by the run's device. It is exact:
 both kernels compute what `adamw`'s pure update computes, to the ulp (the
 kernels' docstrings state the arithmetic).
+
+When all of the state is on one GPU, the update is one launch over every run
+(`zfunc.kernels.gpu_adam.adam_runs_`, the same bits as a launch per run),
+and what it derives from the layout (runs, buffers, decay tables, where the
+compute copy goes) is built once per state layout and checked, not rebuilt,
+at later steps (`zfunc.optim.fused_plan.DevicePlan`).
 """
 
 from __future__ import annotations
