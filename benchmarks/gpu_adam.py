@@ -201,6 +201,27 @@ def build_cases(ga, device, n: int, backend: str, chunk: int, sweep: bool) -> li
     cases.append((f"zfunc adam_flat_ fp32 grads [{backend}]", 28, ours(g), "adam"))
     cases.append((f"zfunc adam_flat_ fp32 grads + bf16 copy [{backend}]", 30, ours(g, out16), "adam"))
     cases.append((f"zfunc adam_flat_ bf16 grads + bf16 copy [{backend}]", 28, ours(g16, out16), "adam"))
+    if backend != "torch" and (device.type == "cuda" or ga._interpreting()):
+        # The fused update of a sharded state: 100 runs (a unit each, buffers of their own), one launch of
+        # adam_runs_ reading the runs' addresses from a table, against adam_flat_ once per run.
+        outs, g16v = views(out16, sizes), views(g16, sizes)
+        table = ga.AdamRuns.build([(a.data_ptr(), b.data_ptr(), c.data_ptr(), o.data_ptr())
+                                   for a, b, c, o in zip(ps, ms, vs, outs)],
+                                  [[(0, k, HP["weight_decay"])] for k in sizes], sizes, device, out_dtype=torch.bfloat16)
+        segs = [ga.AdamSegments.uniform(k, HP["weight_decay"], device) for k in sizes]
+        grad_ptrs = [x.data_ptr() for x in g16v]
+
+        def one_launch():
+            ga.adam_runs_(table, grad_ptrs, torch.bfloat16, lr=lr_t, step=step_t, beta1=b1, beta2=b2, eps=HP["eps"])
+
+        def per_run():
+            for a, x, b, c, o, sg in zip(ps, g16v, ms, vs, outs, segs):
+                ga.adam_flat_(a, x, b, c, sg, lr=lr_t, step=step_t, beta1=b1, beta2=b2, eps=HP["eps"], out_lowp=o,
+                              backend=backend)
+
+        cases.append((f"zfunc adam_runs_, {N_TENSORS} runs, 1 launch, bf16 grads + bf16 copy", 28, one_launch, "adam"))
+        cases.append((f"zfunc adam_flat_ x{N_TENSORS} (a launch per run), bf16 grads + bf16 copy", 28, per_run,
+                      "adam"))
     if sweep:
         for block in (512, 1024, 2048, 4096):
             for warps in (4, 8):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the GPU kernel tests and benchmark, NCCL equivalence, the head-to-head table,
+# One device call: the GPU kernel tests and benchmark, the optimizer phase's host time (update), NCCL equivalence, the head-to-head table,
 # the CPU Adam benchmark, the single-GPU table and the largest-model runs (PARTS picks; TAG names a repeat;
 # PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps; OFFLOAD_THREADS=N
 # gives the offload contenders N host-update threads).
@@ -25,6 +25,13 @@ if [[ $PARTS == *kernels* ]]; then
   # (CPU-side tests that fork ranks are left to CI: after a CUDA backward in the same process, fork is unsafe)
   run kernel_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_adam.py tests/test_cpu_adam.py
   run gpu_adam 180 python3 benchmarks/gpu_adam.py --json "$OUT/gpu_adam.json"
+fi
+if [[ $PARTS == *update* ]]; then
+  # The optimizer phase: one launch over all units (tests on the GPU, bit for bit against the per-run kernel),
+  # then its host and GPU time per stack (GPT-2 medium's real widths; the tiny-width run for the CPU's numbers).
+  run update_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fused_plan.py tests/test_gpu_adam.py -k "cuda or sm90"
+  run update_medium 240 python3 benchmarks/update_host_time.py --device cuda --medium --steps 30
+  run update_tiny 120 python3 benchmarks/update_host_time.py --device cuda --steps 30
 fi
 if [[ $PARTS == *equiv* ]]; then
   run equiv ${EQUIV_LIMIT:-240} torchrun --nproc-per-node "$NGPU" tests/gpu/nccl_equivalence.py

@@ -452,6 +452,76 @@ def test_cuda_triton_matches_torch_fused(mode, grad_dtype, monkeypatch):
     assert_bits_equal(out[covered].cpu(), tp[covered].to(torch.bfloat16).cpu(), "bf16 copy")
 
 
+@cuda
+@pytest.mark.parametrize("grad_dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, None),
+                                                   (torch.float16, torch.float16)])
+def test_cuda_one_launch_matches_per_run_kernel(grad_dtype, out_dtype, monkeypatch):
+    """adam_runs_ (one launch over runs with buffers of their own, addresses read from a table) against
+    adam_flat_ once per run, bit for bit: runs of uneven sizes, one of them off the 16-byte grid (the
+    scalar path), decays that change inside a run, a skipped step."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    dev = "cuda"
+    lens = [1_000_003, 17, 524_288, 300_001]
+    segs = [[(0, 500_000, 0.1), (500_000, 500_003, 0.0)], [(0, 17, 0.1)], [(0, 524_288, 0.05)], [(5, 299_990, 0.1)]]
+
+    def buffers(seed):
+        torch.manual_seed(seed)
+        out = []
+        for i, n in enumerate(lens):
+            p = torch.randn(n + 1, device=dev)[1:] if i == 3 else torch.randn(n, device=dev)  # (i == 3: unaligned)
+            o = torch.zeros(n, device=dev, dtype=out_dtype) if out_dtype is not None else None
+            out.append((p, torch.zeros(n, device=dev), torch.zeros(n, device=dev), o))
+        return out
+
+    ours, theirs = buffers(0), buffers(0)
+    table = ga.AdamRuns.build([(p.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if o is None else o.data_ptr())
+                               for p, m, v, o in ours], segs, lens, dev, out_dtype=out_dtype)
+    for t in range(1, 4):
+        grads = [torch.randn(n, device=dev).to(grad_dtype) for n in lens]
+        skip = torch.tensor(t == 2, device=dev)
+        args = step_args(t, dev)
+        ga.adam_runs_(table, [g.data_ptr() for g in grads], grad_dtype, **args, grad_scale=torch.tensor(2.0, device=dev),
+                      found_inf=skip)
+        for (p, m, v, o), sg, g in zip(theirs, segs, grads):
+            adam_flat_(p, g, m, v, AdamSegments.build(sg, dev), **args, grad_scale=torch.tensor(2.0, device=dev),
+                       out_lowp=o, found_inf=skip.float(), backend="triton")
+    for a, b in zip(ours, theirs):
+        for x, y, what in zip(a, b, ("param", "exp_avg", "exp_avg_sq", "copy")):
+            if x is not None:
+                assert_bits_equal(x.cpu(), y.cpu(), what)
+
+
+def test_one_launch_kernel_compiles_for_sm90_with_vector_access():
+    """The one-launch kernel compiled for an H100/H200 (sm_90), on any machine: its aligned path moves
+    16 bytes per access (the alignment it states with multiple_of reaches the code), like adam_flat_'s."""
+    pytest.importorskip("triton")
+    if ga._interpreting():
+        pytest.skip("TRITON_INTERPRET is set: the kernels were jitted for the interpreter")
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this triton cannot compile ahead of time")
+    from zfunc.kernels.triton_kernels import kernels
+
+    sig = {"chunks_ptr": "*i64", "wd_ptr": "*fp32", "bases_ptr": "*i64", "grads_ptr": "*i64", "lr_ptr": "*fp32",
+           "step_ptr": "*i64", "scale_ptr": "*fp32", "found_ptr": "*u8", "beta1": "fp32", "beta2": "fp32", "eps": "fp32"}
+    const = dict(ADAMW=True, HAS_SCALE=True, HAS_FOUND=True, GRAD_KIND=1, OUT_KIND=1, GRADS_ALIGNED=True,
+                 INTERPRET=False, PTX=True, BLOCK=1024, ITERS=64, ALIGN=16)
+    sig.update(dict.fromkeys(const, "constexpr"))
+    try:
+        compiled = triton.compile(ASTSource(fn=kernels(False).adam_multi_kernel, signature=sig, constexprs=const),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    except Exception as err:  # noqa: BLE001 (no CUDA toolchain in this triton: nothing to check here)
+        if "ptxas" in str(err).lower() or "cuda" in str(err).lower() and "not found" in str(err).lower():
+            pytest.skip(f"no CUDA toolchain: {err}")
+        raise
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # fp32 param and moments
+    assert "ld.global.v2.b32" in ptx and "st.global.v2.b32" in ptx  # bf16 gradients and copy: 4 x 2 bytes
+
+
 # ----------------------------------------------------------------------------- benchmark smoke test
 
 def test_benchmark_runs_on_cpu(tmp_path, capsys):

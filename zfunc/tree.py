@@ -182,10 +182,9 @@ def tree_sum_of_squares(tree: PyTree) -> torch.Tensor:
     for x in leaves:
         if x.numel():
             exact = x.dtype in (torch.float32, torch.float64)  # low precision: norms in fp32
-            groups.setdefault((x.device, x.dtype if exact else torch.float32), []).append(x if exact else x.float())
+            groups.setdefault((x.device, x.dtype if exact else torch.float32), []).append(x)
     for group in groups.values():
-        norms = torch._foreach_norm(group)
-        total = total + torch.stack([n.float() for n in norms]).square().sum().to(total.device)
+        total = total + torch.stack(_norms(group)).float().square().sum().to(total.device)
     return total
 
 
@@ -195,6 +194,27 @@ def tree_all_finite(tree: PyTree) -> torch.Tensor:
     if not leaves:
         return torch.tensor(True)
     return torch.stack([torch.isfinite(x).all() for x in leaves]).all()
+
+
+def _norms(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's L2 norm (fp32 for bf16/fp16 leaves), one multi-tensor pass per dtype, in ``leaves``' order.
+    bf16/fp16 leaves are read as they are (foreach_norm's ``dtype``: the numbers of their fp32 copies'
+    norms, without a cast launch and a copy per leaf)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    out: list = [None] * len(leaves)
+    for dtype, where in by_dtype.items():
+        part = [leaves[i] for i in where]
+        if dtype in (torch.bfloat16, torch.float16):
+            norms = torch._foreach_norm(part, dtype=torch.float32)
+        elif dtype in (torch.float32, torch.float64):
+            norms = torch._foreach_norm(part)
+        else:
+            norms = torch._foreach_norm([x.float() for x in part])
+        for i, n in zip(where, norms):
+            out[i] = n
+    return out
 
 
 def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:

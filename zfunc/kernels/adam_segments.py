@@ -16,7 +16,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamSegments", "sm_count"]
+__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamRuns", "AdamSegments", "auto_chunk", "chunk_spans",
+           "sm_count"]
 
 # Elements per row of the chunk table: one Triton program updates at most this many elements.
 # Big enough that the per-program scalar work (two powf, a few divisions) is noise. On a GPU,
@@ -83,7 +84,7 @@ class AdamSegments:
         device = torch.device(device)
         runs = list(runs)
         if chunk is None:
-            chunk = _auto_chunk(sum(max(0, _as_int_or(r, 1)) for r in runs), device)
+            chunk = auto_chunk(sum(max(0, _as_int_or(r, 1)) for r in runs), device)
         if not isinstance(chunk, int) or chunk <= 0 or chunk % ALIGN:
             raise ValueError(f"chunk must be a positive multiple of {ALIGN}, got {chunk!r}")
         norm = []
@@ -112,20 +113,7 @@ class AdamSegments:
                     continue
             merged.append((start, length, wd))
 
-        rows: list[tuple[int, int, float]] = []
-        for start, length, wd in merged:
-            end = start + length
-            a = -(-start // ALIGN) * ALIGN  # first aligned boundary inside the run
-            b = end // ALIGN * ALIGN  # last one
-            if a >= b:  # too short for an aligned middle: scalar pieces
-                rows.extend((s, min(chunk, end - s), wd) for s in range(start, end, chunk))
-                continue
-            if start < a:
-                rows.append((start, a - start, wd))
-            rows.extend((s, min(chunk, b - s), wd) for s in range(a, b, chunk))
-            if b < end:
-                rows.append((b, end - b, wd))
-
+        rows = [(s, n, wd) for start, length, wd in merged for s, n in chunk_spans(start, length, chunk)]
         starts = torch.tensor([r[0] for r in rows], dtype=torch.int64, device=device)
         lengths = torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device)
         wds = torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device)
@@ -159,6 +147,21 @@ class AdamSegments:
         return cls.build(runs, flat.device, chunk=chunk)
 
 
+def chunk_spans(start: int, length: int, chunk: int) -> list[tuple[int, int]]:
+    """``[start, start + length)`` as chunks ``(start, length)`` of at most ``chunk`` elements whose
+    boundaries inside the run fall on multiples of `ALIGN` (a chunk table's rows for one run)."""
+    end = start + length
+    a = -(-start // ALIGN) * ALIGN  # first aligned boundary inside the run
+    b = end // ALIGN * ALIGN  # last one
+    if a >= b:  # too short for an aligned middle: scalar pieces
+        return [(s, min(chunk, end - s)) for s in range(start, end, chunk)]
+    rows = [(start, a - start)] if start < a else []
+    rows.extend((s, min(chunk, b - s)) for s in range(a, b, chunk))
+    if b < end:
+        rows.append((b, end - b))
+    return rows
+
+
 def _as_int_or(run, i: int, default: int = 0) -> int:
     """``run[i]`` as an int if it is one (for sizing only: build validates runs properly)."""
     try:
@@ -173,7 +176,7 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _auto_chunk(total: int, device: torch.device) -> int:
+def auto_chunk(total: int, device: torch.device) -> int:
     """CHUNK, or on a GPU the largest power of two >= MIN_CHUNK that still gives every SM
     PROGRAMS_PER_SM programs for ``total`` elements."""
     if device.type != "cuda" or total <= 0:
@@ -193,3 +196,98 @@ def _as_int(x) -> int:
             raise TypeError("not an integer")
         return int(x.item())
     return operator.index(x)
+
+
+class AdamRuns:
+    """Many runs, each with its own buffers, as one chunk table: what one launch of
+    `zfunc.kernels.gpu_adam.adam_runs_` updates.
+
+    A run is four flat buffers of one length (param, exp_avg, exp_avg_sq and, optionally, a 16-bit
+    copy of the param), given by their addresses, with a list of segments ``(start, length,
+    weight_decay)`` inside it; the gradients' addresses (one per run) are set per call
+    (`set_grads`): the tables of the state's buffers are built once, and a step moves only the
+    gradients' addresses to the device, and only when they changed.
+
+    The table holds addresses, not tensors: whoever builds it keeps the buffers alive and where they
+    were, and checks so before each call (`zfunc.optim.fused_plan.DevicePlan` does, per step).
+
+    Attributes:
+        chunks: int64 device tensor, one row ``(run, start, length, aligned)`` per chunk of at most
+            ``chunk`` elements (``aligned``: the run's buffers are 16-byte aligned and the chunk lies
+            on the ALIGN grid).
+        weight_decays: float32 device tensor, the decay of each chunk.
+        bases: int64 device tensor, one row ``(param, exp_avg, exp_avg_sq, out)`` of addresses per run.
+        grads: int64 device tensor, the gradients' address of each run (`set_grads`).
+        out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
+    """
+
+    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "lengths", "numel", "out_dtype",
+                 "weight_decays")
+
+    def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
+        self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
+        self.lengths, self.out_dtype, self.chunk = lengths, out_dtype, chunk
+        self.numel = sum(lengths)
+        self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
+        self._grad_ptrs: list[int] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.chunks.device
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunks.shape[0]
+
+    def __repr__(self):
+        return (f"AdamRuns({len(self.lengths)} runs, {self.num_chunks} chunks of <= {self.chunk}, "
+                f"{self.numel} elements, on {self.device})")
+
+    @classmethod
+    def build(cls, bases: Sequence[tuple[int, int, int, int]], segments: Sequence[Sequence[tuple[int, int, float]]],
+              lengths: Sequence[int], device, *, out_dtype: torch.dtype | None = None,
+              chunk: int | None = None) -> AdamRuns:
+        """The table of runs: ``bases[i]`` the addresses ``(param, exp_avg, exp_avg_sq, out)`` of run
+        ``i`` (``out`` 0 without copies), ``segments[i]`` its ``(start, length, weight_decay)`` inside
+        ``[0, lengths[i])`` (not overlapping; adjacent ones of one decay are merged)."""
+        device = torch.device(device)
+        if not (len(bases) == len(segments) == len(lengths)):
+            raise ValueError(f"{len(bases)} bases, {len(segments)} segment lists and {len(lengths)} lengths: "
+                             "give one of each per run")
+        if chunk is None:
+            chunk = auto_chunk(sum(lengths), device)
+        rows, wds = [], []
+        for i, (base, segs, length) in enumerate(zip(bases, segments, lengths)):
+            aligned = all(b % 16 == 0 for b in base[:3]) and (out_dtype is None or base[3] % 16 == 0)
+            table = AdamSegments.build(segs, "cpu", chunk=chunk)  # validated, sorted, merged
+            if table.end > length:
+                raise ValueError(f"run {i}: segments reach element {table.end}, the run has {length}")
+            for start, n, wd in table.runs:
+                for s, m in chunk_spans(start, n, chunk):
+                    rows.append((i, s, m, int(aligned and s % ALIGN == 0 and m % ALIGN == 0)))
+                    wds.append(wd)
+        return cls(_to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4), device),
+                   _to_device(torch.tensor(wds, dtype=torch.float32), device),
+                   _to_device(torch.tensor([list(b) for b in bases], dtype=torch.int64).reshape(-1, 4), device),
+                   tuple(int(n) for n in lengths), out_dtype, chunk)
+
+    def set_grads(self, ptrs: list[int]) -> None:
+        """The gradients' addresses, one per run, for the next launches: copied to the device when they
+        differ from the last ones (from pinned memory, without waiting: the caching host allocator keeps
+        the source until the copy ran, and the copy is ordered before the launch on the stream)."""
+        if ptrs == self._grad_ptrs:
+            return
+        if len(ptrs) != len(self.lengths):
+            raise ValueError(f"{len(ptrs)} gradient addresses for {len(self.lengths)} runs")
+        cuda = self.grads.device.type == "cuda"
+        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
+        self.grads.copy_(host, non_blocking=cuda)
+        self._grad_ptrs = list(ptrs)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU from pinned memory without waiting (a table built during a step, e.g.
+    for gradients laid out anew, must not make the host wait for the queue)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

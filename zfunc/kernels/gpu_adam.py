@@ -78,12 +78,13 @@ from zfunc.kernels.adam_segments import (  # noqa: F401 (CHUNK, MIN_CHUNK: re-ex
     CHUNK,
     MIN_CHUNK,
     PROGRAMS_PER_SM,
+    AdamRuns,
     AdamSegments,
     sm_count,
 )
 
-__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamSegments",
-           "adam_flat_", "triton_available"]
+__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "TRITON_CONFIG", "AdamRuns", "AdamSegments",
+           "adam_flat_", "adam_runs_", "resolve_backend", "triton_available"]
 
 # Launch parameters of the Triton kernels (read at every call: the benchmark sweeps them).
 #   adam_block / adam_warps: elements per loop step and warps per program of adam_flat_.
@@ -162,6 +163,12 @@ def _interpreting() -> bool:
     if knobs is not None and hasattr(knobs, "runtime"):
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend ``"auto"``, ``"triton"`` or ``"torch"`` stands for on ``device`` (raises where it cannot
+    run there)."""
+    return _pick_backend(backend, device)
 
 
 def _pick_backend(backend: str, device: torch.device) -> str:
@@ -247,6 +254,52 @@ def adam_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     else:
         _adam_torch(param, grad, exp_avg, exp_avg_sq, segments, lr, step, beta1, beta2, eps, mode,
                     grad_scale, out_lowp, found_inf)
+
+
+_GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def adam_runs_(runs: AdamRuns, grad_ptrs: list[int], grad_dtype: torch.dtype, *, lr: torch.Tensor,
+               step: torch.Tensor, beta1: float, beta2: float, eps: float, mode: str = "adamw",
+               grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+    """`adam_flat_` over every run of ``runs`` in one launch (Triton only), the same bits.
+
+    Args:
+        runs: the table (`AdamRuns.build`): the runs' buffers, by address, with their weight decays
+            and the copies' dtype.
+        grad_ptrs: the address of each run's gradients (``grad_dtype``, contiguous, the run's length),
+            which must not overlap the runs' buffers. Addresses, not tensors: this is the low-level
+            entry of a caller that checked them (`zfunc.optim.fused_plan`), and nothing here can.
+        lr, step, grad_scale, found_inf: 0-d tensors on the runs' device (as `adam_flat_`'s;
+            ``found_inf`` may be a bool or uint8 flag).
+        beta1, beta2, eps, mode: as `adam_flat_`'s.
+    """
+    if mode not in ("adam", "adamw"):
+        raise ValueError(f"mode must be 'adam' or 'adamw', got {mode!r}")
+    if grad_dtype not in _GRAD_KINDS:
+        raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
+    device = runs.device
+    _pick_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
+    runs.set_grads(grad_ptrs)
+    if not runs.num_chunks:
+        return
+    if found_inf is not None and found_inf.dtype == torch.bool:
+        found_inf = found_inf.view(torch.uint8)  # (a view: no launch)
+    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
+
+    interp = _interpreting()
+    k = kernels(interp)
+    block = int(TRITON_CONFIG["adam_block"])
+    with _launch(device):
+        k.adam_multi_kernel[(runs.num_chunks,)](
+            runs.chunks, runs.weight_decays, runs.bases, runs.grads, lr, step,
+            grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
+            float(beta1), float(beta2), float(eps),
+            ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
+            GRAD_KIND=_GRAD_KINDS[grad_dtype], OUT_KIND=_OUT_KINDS[runs.out_dtype],
+            GRADS_ALIGNED=all(p % 16 == 0 for p in grad_ptrs), INTERPRET=interp, PTX=ptx(interp), BLOCK=block,
+            ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=int(TRITON_CONFIG["adam_warps"]))
 
 
 def _number(x, name: str) -> float:

@@ -36,7 +36,7 @@ def kernels(interpret: bool) -> types.SimpleNamespace:
         copy.__annotations__ = fn.__annotations__  # the tl.constexpr marks: FunctionType drops them
         g[name] = triton.jit(copy)
     del interpret  # the cache key only: triton.jit reads TRITON_INTERPRET itself
-    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"])
+    return types.SimpleNamespace(adam_kernel=g["_adam_kernel"], adam_multi_kernel=g["_adam_multi_kernel"])
 
 
 def ptx(interpret: bool) -> bool:
@@ -63,7 +63,8 @@ def ptx(interpret: bool) -> bool:
 
 tl = libdevice = None  # bound to triton.language / its libdevice in kernels()
 
-_TRITON_FUNCS = ("_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update", "_adam_kernel")
+_TRITON_FUNCS = ("_div", "_sqrt", "_bf16_bits", "_bf16_bits_to_f32", "_adam_update", "_adam_scalars", "_adam_kernel",
+                 "_adam_multi_kernel")
 
 
 def _div(a, b, PTX: tl.constexpr):
@@ -127,6 +128,28 @@ def _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, mask, wd, lr_wd, gs, b
         tl.store(o_ptr + offs, p.to(tl.float16), mask=mask)  # RNE (cvt.rn.f16.f32; numpy when interpreted)
 
 
+def _adam_scalars(lr_ptr, step_ptr, wd, beta1, beta2, INTERPRET: tl.constexpr):
+    """A program's scalars from the device numbers: ``(lr, step_size, bc2_sqrt, lr * wd)``.
+
+    The bias corrections 1 - β^t are formed in float64: in float32, β^t sits within a few ulps of 1
+    at small t and the subtraction keeps only those ulps (1 - 0.999^3 in float32 is off by ~2e-5
+    relative, which would scale the whole update). β itself is the float32 value the moments use, so
+    the correction matches the moments it corrects."""
+    lr = tl.load(lr_ptr).to(tl.float32)
+    t = tl.load(step_ptr).to(tl.float64)
+    b1 = tl.full((), beta1, tl.float32).to(tl.float64)
+    b2 = tl.full((), beta2, tl.float32).to(tl.float64)
+    if INTERPRET:  # no libdevice in the interpreter (numpy's float64 exp2/log2 instead)
+        b1t = tl.exp2(t * tl.log2(b1))
+        b2t = tl.exp2(t * tl.log2(b2))
+    else:
+        b1t = libdevice.pow(b1, t)  # __nv_pow, the double one
+        b2t = libdevice.pow(b2, t)
+    step_size = (lr.to(tl.float64) / (1.0 - b1t)).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - b2t).to(tl.float32)
+    return lr, step_size, bc2_sqrt, lr * wd
+
+
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_ptr, lr_ptr, step_ptr,
                  scale_ptr, found_ptr, beta1, beta2, eps, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_FOUND: tl.constexpr, OUT_KIND: tl.constexpr, INTERPRET: tl.constexpr,
@@ -142,23 +165,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_
     if HAS_FOUND:  # a skipped step is an empty chunk: every access masked, nothing read or written
         n = tl.where(tl.load(found_ptr) == 0, n, 0)
     wd = tl.load(wd_ptr + pid)
-    # Per-program scalars. The bias corrections 1 - β^t are formed in float64: in float32, β^t sits
-    # within a few ulps of 1 at small t and the subtraction keeps only those ulps (1 - 0.999^3 in
-    # float32 is off by ~2e-5 relative, which would scale the whole update). β itself is the
-    # float32 value the moments use, so the correction matches the moments it corrects.
-    lr = tl.load(lr_ptr).to(tl.float32)
-    t = tl.load(step_ptr).to(tl.float64)
-    b1 = tl.full((), beta1, tl.float32).to(tl.float64)
-    b2 = tl.full((), beta2, tl.float32).to(tl.float64)
-    if INTERPRET:  # no libdevice in the interpreter (numpy's float64 exp2/log2 instead)
-        b1t = tl.exp2(t * tl.log2(b1))
-        b2t = tl.exp2(t * tl.log2(b2))
-    else:
-        b1t = libdevice.pow(b1, t)  # __nv_pow, the double one
-        b2t = libdevice.pow(b2, t)
-    step_size = (lr.to(tl.float64) / (1.0 - b1t)).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - b2t).to(tl.float32)
-    lr_wd = lr * wd
+    lr, step_size, bc2_sqrt, lr_wd = _adam_scalars(lr_ptr, step_ptr, wd, beta1, beta2, INTERPRET)
     if HAS_SCALE:
         gs = tl.load(scale_ptr).to(tl.float32)
     else:
@@ -172,6 +179,66 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, starts_ptr, lengths_ptr, wd_
             offs = base + k * BLOCK + tl.arange(0, BLOCK)
             _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
                          beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
+    else:
+        end = lo + n
+        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
+            offs = lo + k * BLOCK + tl.arange(0, BLOCK)
+            _adam_update(p_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < end, wd, lr_wd, gs, beta1,
+                         beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
+
+
+def _adam_multi_kernel(chunks_ptr, wd_ptr, bases_ptr, grads_ptr, lr_ptr, step_ptr, scale_ptr, found_ptr,
+                       beta1, beta2, eps, ADAMW: tl.constexpr, HAS_SCALE: tl.constexpr,
+                       HAS_FOUND: tl.constexpr, GRAD_KIND: tl.constexpr, OUT_KIND: tl.constexpr,
+                       GRADS_ALIGNED: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr,
+                       BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGN: tl.constexpr):
+    """`_adam_kernel` over many runs at once, each with its own buffers: program ``pid`` updates chunk
+    ``pid`` of the table ``chunks`` (rows ``run, start, length, aligned``, int64), elements
+    ``[start, start + length)`` of run ``run``'s buffers, whose addresses are row ``run`` of ``bases``
+    (``param, exp_avg, exp_avg_sq, out``) and entry ``run`` of ``grads``. ``aligned``: the run's four
+    buffers are 16-byte aligned and the chunk starts and ends on the ALIGN grid (with GRADS_ALIGNED,
+    the gradients' addresses too), so the vector path may say so to the compiler. GRAD_KIND: 0 fp32,
+    1 bf16, 2 fp16 gradients; OUT_KIND as `_adam_kernel`'s. The arithmetic is `_adam_kernel`'s,
+    through the same functions: the same bits."""
+    pid = tl.program_id(0)
+    row = chunks_ptr + pid * 4
+    run = tl.load(row)
+    lo = tl.load(row + 1)
+    n = tl.load(row + 2)
+    aligned = tl.load(row + 3)
+    if HAS_FOUND:  # a skipped step is an empty chunk: every access masked, nothing read or written
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)
+    wd = tl.load(wd_ptr + pid)
+    p_ptr = tl.load(bases_ptr + run * 4).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(bases_ptr + run * 4 + 1).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(bases_ptr + run * 4 + 2).to(tl.pointer_type(tl.float32))
+    if OUT_KIND == 1:  # bf16 copies stored as bits (_bf16_bits)
+        o_ptr = tl.load(bases_ptr + run * 4 + 3).to(tl.pointer_type(tl.int16))
+    elif OUT_KIND == 2:
+        o_ptr = tl.load(bases_ptr + run * 4 + 3).to(tl.pointer_type(tl.float16))
+    else:
+        o_ptr = p_ptr  # (never written)
+    if GRAD_KIND == 1:
+        g_ptr = tl.load(grads_ptr + run).to(tl.pointer_type(tl.bfloat16))
+    elif GRAD_KIND == 2:
+        g_ptr = tl.load(grads_ptr + run).to(tl.pointer_type(tl.float16))
+    else:
+        g_ptr = tl.load(grads_ptr + run).to(tl.pointer_type(tl.float32))
+    lr, step_size, bc2_sqrt, lr_wd = _adam_scalars(lr_ptr, step_ptr, wd, beta1, beta2, INTERPRET)
+    if HAS_SCALE:
+        gs = tl.load(scale_ptr).to(tl.float32)
+    else:
+        gs = 1.0
+    if GRADS_ALIGNED & (aligned != 0):
+        # 16-byte aligned blocks, as in _adam_kernel, where the addresses are loaded rather than
+        # specialized: said to the compiler with multiple_of
+        base = lo // ALIGN * ALIGN
+        end = base + n // ALIGN * ALIGN
+        for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):
+            offs = base + k * BLOCK + tl.arange(0, BLOCK)
+            _adam_update(tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16), tl.multiple_of(m_ptr, 16),
+                         tl.multiple_of(v_ptr, 16), tl.multiple_of(o_ptr, 16), offs, offs < end, wd, lr_wd, gs,
+                         beta1, beta2, eps, step_size, bc2_sqrt, ADAMW, HAS_SCALE, OUT_KIND, PTX)
     else:
         end = lo + n
         for k in range(ITERS if INTERPRET else (n + BLOCK - 1) // BLOCK):

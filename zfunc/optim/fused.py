@@ -18,6 +18,12 @@ unit is one run per weight decay) and hands each run to the CPU kernel
 (`zfunc.kernels.gpu_adam.adam_flat_`) by the run's device. It is exact:
 both kernels compute what `adamw`'s pure update computes, to the ulp (the
 kernels' docstrings state the arithmetic).
+
+When all of the state is on one GPU, the update is one launch over every run
+(`zfunc.kernels.gpu_adam.adam_runs_`, the same bits as a launch per run),
+and what it derives from the layout (runs, buffers, decay tables, where the
+compute copy goes) is built once per state layout and checked, not rebuilt,
+at later steps (`zfunc.optim.fused_plan.DevicePlan`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
+from zfunc.kernels.gpu_adam import resolve_backend
+from zfunc.optim.fused_plan import DevicePlan
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
 from zfunc.tiers.placement import page_out
 
@@ -173,7 +181,10 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
     if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
-            and isinstance(mu, dict) and mu.keys() == params.keys() and fusable(params, grads, mu, nu)):
+            and isinstance(mu, dict) and mu.keys() == params.keys()):
+        return None
+    planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into)
+    if planned is None and not fusable(params, grads, mu, nu):
         return None
     lr = spec.schedule(spec.lr_state(opt_state).count)
     step = adam.count + 1
@@ -182,6 +193,11 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         if landing is not None:  # (the norm reads every gradient)
             landing.wait_all()
         divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+    if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
+        plan, grad_ptrs = planned
+        plan.launch(spec, grad_ptrs, lr, step, divisor, skip)
+        copy = None if plan.out_dtype is None else {k: compute_into[k] for k in params}
+        return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
     copy = _compute_targets(params, grads, compute_dtype, compute_into, skip) if compute_dtype is not None else None
@@ -201,7 +217,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
                 streamed.append((p, g, m, v, None, decay, target))
             else:
                 streamed.append((p, g, m, v, target, decay, None))
-        elif p.device.type == "cpu":
+        elif on_host(p):
             if host.skipped:
                 continue
             if landing is not None:
@@ -222,6 +238,73 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             ready = landing.wait
         streamed_update(streamed, host, out_dtype, ready=ready)
     return params, spec.advanced(opt_state, mu, nu, lr, host.counted_skip(skip, adam.count)), copy
+
+
+_PLAN = "device plan"  # spec.tables' entry: the DevicePlan of the last state, or _NOT_PLANNED
+
+
+def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, compute_dtype, into: dict | None):
+    """``(plan, gradient addresses)`` where the whole update is one launch of the GPU kernel
+    (`zfunc.optim.fused_plan`): every nonempty parameter's state on one GPU (not `on_host`), the
+    Triton backend there, a compute copy (if asked for) of bf16/fp16 written into ``into`` on that
+    device, the gradients of one dtype. Else None: the general path.
+
+    The plan of the last step is reused while the tensors are laid out as it expects; otherwise it is
+    built again (and where no plan can be made for these parameters, that is remembered for as long as
+    they are the same tensors, so the general path pays one identity check per key for asking)."""
+    plan = spec.tables.get(_PLAN)
+    into = into if compute_dtype is not None else None
+    if isinstance(plan, DevicePlan):
+        if plan.out_dtype == (compute_dtype if compute_dtype is not None else None):
+            ptrs = plan.grad_addresses(params, grads, mu, nu, into)
+            if ptrs is not None:
+                return plan, ptrs
+    elif plan is not None and len(plan) == len(params) and all(map(_same, plan, params.values())):
+        return None  # these very parameters could not be planned
+    plan = _build_plan(spec, params, grads, mu, nu, compute_dtype, into)
+    spec.tables[_PLAN] = plan if plan is not None else [weakref.ref(p) for p in params.values()]
+    if plan is None:
+        return None
+    ptrs = plan.grad_addresses(params, grads, mu, nu, into)
+    return (plan, ptrs) if ptrs is not None else None
+
+
+def _same(ref: weakref.ref, t: torch.Tensor) -> bool:
+    return ref() is t
+
+
+def _build_plan(spec, params, grads, mu, nu, compute_dtype, into) -> DevicePlan | None:
+    keys = [k for k, p in params.items() if p.numel()]
+    if not keys or any(on_host(params[k]) for k in keys) or compute_dtype not in (None, *LOWP_DTYPES):
+        return None
+    device = params[keys[0]].device
+    try:
+        if resolve_backend(device_backend(device), device) != "triton":
+            return None
+    except (ImportError, ValueError):
+        return None
+    if compute_dtype is not None:
+        if into is None or into.keys() != params.keys() or not all(
+                t.dtype == compute_dtype and t.numel() == params[k].numel() and t.is_contiguous()
+                for k, t in into.items()):
+            return None
+    if not fusable(params, grads, mu, nu):
+        return None
+    operands = [params, grads, mu, nu] + ([into] if into is not None else [])
+    return DevicePlan.build(_find_runs(keys, operands, None), spec.weight_decays(params), params, grads, mu, nu,
+                            into, compute_dtype)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether a run whose state is ``t`` takes the host kernel (its state is in host memory) rather than
+    the GPU one. The one seam of the dispatch: tests and ``benchmarks/update_host_time.py`` patch it (with
+    `device_backend`) to drive the GPU path with CPU tensors, through Triton's interpreter."""
+    return t.device.type == "cpu"
+
+
+def device_backend(device: torch.device) -> str:
+    """The `zfunc.kernels.gpu_adam` backend of the GPU path ("auto": Triton on CUDA); see `on_host`."""
+    return "auto"
 
 
 class _HostKernel:
@@ -292,7 +375,7 @@ def _gpu_run(spec, run, params, decays, p, g, m, v, target, out_dtype, lr, step,
     adam_flat_(p, g, m, v, _segments(spec, run, params, decays), lr=lr.to(p.device), step=step.to(p.device),
                beta1=spec.b1, beta2=spec.b2, eps=spec.eps, mode=spec.mode,
                grad_scale=None if divisor is None else divisor.to(p.device), out_lowp=out,
-               found_inf=None if found is None else found.to(p.device))
+               found_inf=None if found is None else found.to(p.device), backend=device_backend(p.device))
     if target is not None and (out is None or out is not target):
         target.copy_(out if out is not None else p, non_blocking=target.device.type == "cuda")
 

@@ -322,6 +322,23 @@ class shard(Transform):  # noqa: N801
             shards.update(unit.shard_views(unit.rank_region(flats[unit.name], layout.rank), layout.rank))
         return shards
 
+    def _flats_and_shards(self, params: dict, layout: ShardLayout) -> tuple[dict | None, dict]:
+        """``(unit flats, this rank's shards)`` of the state whose params are ``params`` (stages 1/2: the flats
+        and views `_full_flats` and `_param_shards` find, built once per state, `StateViews`; stage 3: None
+        and the params themselves). The shards are a dict of the caller's own, the tensors the same views
+        step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
+        if self.stage == 3:
+            return None, dict(params)
+        if tracing() or not params:
+            flats = self._full_flats(params, layout)
+            return flats, self._param_shards(params, layout, flats)
+        found = layout.state_views.get(params)
+        if found is None:
+            flats = self._full_flats(params, layout)
+            found = (flats, self._param_shards(params, layout, flats))
+            layout.state_views.put(params, *found)
+        return found[0], dict(found[1])
+
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
         layout, group = self._check_layout(state)
@@ -468,12 +485,13 @@ class shard(Transform):  # noqa: N801
         keys = set(layout.keys)
         if set(grads) != keys:
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
-        flats = self._full_flats(state.params, layout) if self.stage != 3 else None
-        shards = self._param_shards(state.params, layout, flats)
+        flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
+            if fresh is old:  # (the fused update hands back the moments it updated in place)
+                return old
             for k, t in old.items():
                 if fresh[k] is not t:
                     t.copy_(fresh[k])
@@ -484,10 +502,14 @@ class shard(Transform):  # noqa: N801
         extras = zip_param_shaped(state.extras, new.state.extras, keys, write_back)
         if self.stage != 3 and tracing():
             gather_updated(comm, state.params, layout)
-        elif self.stage != 3:
+        elif self.stage != 3 and comm.group.size > 1:  # (at world 1 the shard is the whole flat: updated in place)
+            # NCCL gathers in place: each rank's input is its own slot of the output (NCCL's documented in-place
+            # all-gather, as FSDP2 issues it), so the updated shard is not copied out first; gloo gets a copy.
+            in_place = comm.group.device.type == "cuda" and all(f.device == comm.group.device for f in flats.values())
             for unit in layout.units:
                 flat = flats[unit.name]
-                comm.all_gather(unit.rank_region(flat, comm.group.rank).clone(), out=flat, tag=unit.name)
+                mine = unit.rank_region(flat, comm.group.rank)
+                comm.all_gather(mine if in_place else mine.clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
 

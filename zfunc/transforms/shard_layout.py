@@ -19,6 +19,7 @@ optimizer and the user still see a dict keyed by parameter name
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -215,6 +216,44 @@ class UnitLayout:
         return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
 
 
+class StateViews:
+    """Stages 1/2, eager: each unit's flat buffer of one state and this rank's shard views of them, found once
+    (`zfunc.transforms.shard.shard._flats_and_shards`) and reused while ``state.params`` holds the very
+    tensors they were found from.
+
+    Derived data kept with the layout (`ShardLayout.state_views`), not configuration: one state at a time,
+    dropped when that state's first parameter is freed (a state its user let go is not kept alive by its
+    views), and left out of copies and pickles (a copy of a state finds its own)."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[list[weakref.ref], dict, dict] | None = None
+
+    def get(self, params: dict) -> tuple[dict, dict] | None:
+        entry = self._entry  # (read once: another thread may put its own state's)
+        if entry is None or len(entry[0]) != len(params) or not all(map(_is_referent, entry[0], params.values())):
+            return None
+        return entry[1], entry[2]
+
+    def put(self, params: dict, flats: dict, shards: dict) -> None:
+        refs = [weakref.ref(t) for t in params.values()]
+        self._entry = (refs, flats, shards)
+        weakref.finalize(next(iter(params.values())), self._drop, refs)
+
+    def _drop(self, refs: list) -> None:
+        if self._entry is not None and self._entry[0] is refs:
+            self._entry = None
+
+    def __deepcopy__(self, memo) -> "StateViews":
+        return StateViews()
+
+    def __reduce__(self):
+        return StateViews, ()
+
+
+def _is_referent(ref: weakref.ref, t: torch.Tensor) -> bool:
+    return ref() is t
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """The sharding of a whole state: stage, world size, rank, units.
@@ -227,6 +266,11 @@ class ShardLayout:
     world_size: int
     rank: int
     units: tuple[UnitLayout, ...]
+
+    @cached_property
+    def state_views(self) -> StateViews:
+        """Stages 1/2: the unit flats and shard views of the state last stepped with this layout (`StateViews`)."""
+        return StateViews()
 
     def unit_of(self) -> dict[str, UnitLayout]:
         """``{param key: its unit}`` (built once; the layout is immutable)."""

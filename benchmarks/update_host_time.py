@@ -1,0 +1,200 @@
+"""Host time of the optimizer phase of shard's stacks, through the GPU update path.
+
+    python benchmarks/update_host_time.py [--stacks floor,s1,s2,s3] [--steps 30] [--profile s3]
+    python benchmarks/update_host_time.py --device cuda        # on a GPU: real launches, GPU time too
+    python benchmarks/update_host_time.py --device cuda --medium   # GPT-2 medium's real widths (355M)
+
+The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at width 64), in
+``shard(mixed_precision(step, "bf16"), stage=N)`` at world 1; the phase timed is the update: from
+``value_and_grad``'s return to the end of the step (`mixed_precision`'s and `shard`'s
+``apply_gradients``, the fused update, stage 1/2's gather of the new parameters).
+
+On the CPU (the default) the update takes the path it takes on a GPU (`zfunc.optim.fused.on_host`
+patched), with every Triton launch replaced by a stub that only counts it: what is timed is the
+Python and dispatcher work around the launches, which on a GPU must hide under the kernels. The time
+is this thread's CPU time (other processes taking the cores do not count), the least over
+``--steps`` steps. Triton's own launch cost (~10-20 us per launch on an H100/H200 host) comes on top,
+once per launch counted.
+
+With ``--device cuda`` nothing is patched: the phase's host time (perf_counter, no sync inside the
+phase) and its GPU time (CUDA events), medians over the steps. ``--medium``: GPT-2 medium at its real
+widths (355M parameters, vocabulary 50257; still 2 x 32 tokens), so that the update's GPU time is
+the real one (gpt_zero's optimizer phase) and the host time can be set against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's zfunc
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt_zero import floor_update, lm_loss
+from gpt_zero import make_model as make_gpt2
+from host_time import BATCH, SEQ, VOCAB, make_model
+
+import zfunc as zf
+from zfunc.transforms import mixed_precision, shard
+
+STACKS = ("floor", "s1", "s2", "s3")
+
+
+class Launches:
+    """Stand-ins for the Triton kernels: ``kernel[grid](*args, **kwargs)`` counts and returns."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs) -> None:
+            self.count += 1
+        return launch
+
+
+def stub_device_path(launches: Launches) -> None:
+    """Route the CPU state through the GPU path, every Triton launch a counted no-op (module doc)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # (adam_flat_'s backend="triton" accepts CPU tensors then)
+    from zfunc.kernels import triton_kernels
+    from zfunc.optim import fused
+
+    fused.on_host = lambda t: False
+    fused.device_backend = lambda device: "triton"
+    triton_kernels.kernels = lambda interpret: types.SimpleNamespace(
+        **{name: launches for name in ("adam_kernel", "adam_multi_kernel")})
+
+
+class Phase:
+    """Marks the update phase: host seconds (this thread's CPU time on the CPU, perf_counter on a GPU)
+    and, on a GPU, CUDA events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: list[float] = []
+        self.events: list[tuple] = []
+        self._t = 0.0
+        self._e = None
+        self.profiler: cProfile.Profile | None = None  # enabled over the phase only
+
+
+    def begin(self) -> None:
+        if self.cuda:
+            self._e = torch.cuda.Event(enable_timing=True)
+            self._e.record()
+        self._t = time.perf_counter() if self.cuda else time.thread_time()
+        if self.profiler is not None:
+            self.profiler.enable()
+
+    def end(self) -> None:
+        if self.profiler is not None:
+            self.profiler.disable()
+        self.host.append((time.perf_counter() if self.cuda else time.thread_time()) - self._t)
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.events.append((self._e, e))
+
+
+def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
+    model = (make_gpt2(types.SimpleNamespace(model="medium", seq=SEQ)) if medium else make_model(24)).to(device)
+    if name == "floor":
+        master = [p.detach().clone() for p in model.parameters()]
+        model.to(torch.bfloat16)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+
+        def one(tokens):
+            lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens).backward()
+            phase.begin()
+            floor_update(master, params, opt)
+            phase.end()
+
+        return one
+    apply_fn, params = zf.functional(model)
+
+    def loss_fn(p, tokens):
+        return lm_loss(apply_fn(p, input_ids=tokens, use_cache=False).logits, tokens)
+
+    def train_step(state, tokens):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, tokens)
+        phase.begin()
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = shard(mixed_precision(train_step, "bf16"), stage=int(name[1]))
+    box = [step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))]
+
+    def one(tokens):
+        box[0], _ = step(box[0], tokens)
+        phase.end()
+
+    return one
+
+
+def measure(name: str, device: torch.device, steps: int, launches: Launches, profile: bool = False,
+            medium: bool = False) -> dict:
+    phase = Phase(device)
+    one = build(name, device, phase, medium)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
+    for _ in range(3):
+        one(tokens)
+    phase.host.clear()
+    phase.events.clear()
+    before = launches.count
+    pr = phase.profiler = cProfile.Profile() if profile else None
+    for _ in range(steps):
+        one(tokens)
+    out = {"launches": (launches.count - before) / steps}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        out["host_ms"] = 1e3 * statistics.median(phase.host)
+        out["gpu_ms"] = statistics.median(a.elapsed_time(b) for a, b in phase.events)
+    else:
+        out["host_ms"] = 1e3 * min(phase.host)
+    if pr is not None:
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(45)
+        out["profile"] = s.getvalue()
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stacks", default="floor,s1,s2,s3", help=f"comma-separated, of {', '.join(STACKS)}")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--profile", default=None, help="a stack to cProfile over the timed steps")
+    p.add_argument("--medium", action="store_true", help="GPT-2 medium at its real widths (355M parameters)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    launches = Launches()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+        stub_device_path(launches)
+    names = args.stacks.split(",")
+    if args.profile:
+        print(measure(args.profile, device, args.steps, launches, profile=True, medium=args.medium)["profile"])
+        return
+    where = "CPU, GPU path with stubbed launches" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
+    print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
+          f"{args.steps} steps")
+    print("| stack | host ms | GPU ms | Triton launches |\n|---|---|---|---|")
+    for name in names:
+        r = measure(name, device, args.steps, launches, medium=args.medium)
+        gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
+        count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
+        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {count} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""`DevicePlan`: the fused update of state on a GPU, structured once per state layout.
+
+What `zfunc.optim.fused.fused_update` derives from where the state's tensors
+live (which parameters form gap-free runs, each run's buffers and weight
+decays, the kernel's chunk table, where the compute copy goes) depends only on
+the layout of the state (master, moments, compute copy) and of the gradients;
+under `shard` that layout is the same step after step. A plan holds it, built
+on the first step. A later step checks, key by key, that it is given tensors
+laid out so (each state tensor the very one the plan was built from, still at
+its address, or one of the same dtype and size at that address; each gradient
+at the address its run expects), then launches one kernel over all runs
+(`zfunc.kernels.gpu_adam.adam_runs_`), after moving the gradients' addresses
+to the device only if they changed. Nothing is read back from the device.
+
+A state laid out otherwise (a new state, a restored or resharded one, another
+dtype, gradients grouped differently) fails the check and gets a new plan: the
+table, which holds addresses, is never used for tensors other than those it
+was built from. The plan holds no tensor of the state (weak references only),
+so a state dropped by its user is freed as before.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import weakref
+
+import torch
+
+from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
+
+
+class _Held:
+    """What a plan expects of one state operand (params, moments, compute copy), key by key: the tensor it was
+    built from (weakly), its address, dtype and size."""
+
+    __slots__ = ("dtypes", "numels", "ptrs", "refs")
+
+    def __init__(self, d: dict, keys: tuple) -> None:
+        tensors = [d[k] for k in keys]
+        self.refs = [weakref.ref(t) for t in tensors]
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        self.numels = [t.numel() for t in tensors]
+
+    def still_at(self, d: dict, keys: tuple, device_index: int) -> bool:
+        """Whether ``d`` holds, key by key, the tensor the plan was built from at its address, or one of its
+        dtype and size, contiguous, at that address on the plan's device (e.g. a new view of the same
+        buffer)."""
+        tensors = [d[k] for k in keys]
+        if all(map(operator.is_, tensors, [r() for r in self.refs])) and [t.data_ptr() for t in tensors] == self.ptrs:
+            return True  # (the usual step: the very tensors, where they were)
+        for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
+            if ref() is t:
+                if numel and t.data_ptr() != ptr:
+                    return False
+            elif t.numel() != numel or (numel and (t.data_ptr() != ptr or t.dtype != dtype
+                                                   or t.get_device() != device_index or not t.is_contiguous())):
+                return False
+        return True
+
+
+class DevicePlan:
+    """The structure of one state's fused update on one device (module docstring).
+
+    Attributes:
+      keys: every key of the params, in their order (empty ones included: they must stay empty).
+      device: where the state lives.
+      out_dtype: the compute copy's dtype (bf16/fp16), or None when no copy is written.
+      grad_dtype: the gradients' dtype.
+      table: the kernel's table of runs (`AdamRuns`).
+    """
+
+    def __init__(self, keys, device, out_dtype, grad_dtype, table, held, grad_runs, state_spans) -> None:
+        self.keys, self.device, self.out_dtype, self.grad_dtype, self.table = keys, device, out_dtype, grad_dtype, table
+        self._held = held  # per state operand (params, mu, nu[, into])
+        self._device_index = device.index if device.type == "cuda" else -1  # (Tensor.get_device's number)
+        self._grad_runs = grad_runs  # per run: its first key and ((key, byte offset, numel), ...)
+        self._item = torch.empty((), dtype=grad_dtype).element_size()
+        self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
+        self._ends = [b for _, b in state_spans]
+
+    @classmethod
+    def build(cls, runs: list[list[str]], decays: dict[str, float], params: dict, grads: dict, mu: dict, nu: dict,
+              into: dict | None, out_dtype: torch.dtype | None) -> DevicePlan | None:
+        """The plan for these tensors, or None where one launch cannot take them (the caller then takes the
+        general path). ``runs``: the nonempty keys in runs that are one gap-free span in every operand
+        (`zfunc.optim.fused.contiguous_runs`); the caller checked `fusable` and that ``into`` fits."""
+        first = params[runs[0][0]]
+        device = first.device
+        grad_dtype = grads[runs[0][0]].dtype
+        if any(grads[k].dtype != grad_dtype or params[k].device != device or grads[k].device != device
+               or (into is not None and into[k].device != device) for run in runs for k in run):
+            return None
+        operands = [params, mu, nu] + ([into] if into is not None else [])
+        bases, segments, lengths, grad_runs, spans = [], [], [], [], []
+        for run in runs:
+            offset, segs, members = 0, [], []
+            for k in run:
+                n = params[k].numel()
+                segs.append((offset, n, decays[k]))
+                members.append((k, offset * grads[k].element_size(), n))
+                offset += n
+            bases.append(tuple(d[run[0]].data_ptr() for d in operands) + (0,) * (4 - len(operands)))
+            segments.append(segs)
+            lengths.append(offset)
+            grad_runs.append((run[0], tuple(members)))
+            spans.extend((d[run[0]].data_ptr(), d[run[0]].data_ptr() + offset * d[run[0]].element_size())
+                         for d in operands)
+        spans.sort()
+        if any(b0 > a1 for (_, b0), (a1, _) in zip(spans, spans[1:])):
+            return None  # state buffers sharing memory: adam_flat_ refuses them, the general path says so
+        table = AdamRuns.build(bases, segments, lengths, device, out_dtype=out_dtype)
+        keys = tuple(params)
+        held = [_Held(d, keys) for d in operands]
+        return cls(keys, device, out_dtype, grad_dtype, table, held, grad_runs, spans)
+
+    def grad_addresses(self, params: dict, grads: dict, mu: dict, nu: dict, into: dict | None) -> list[int] | None:
+        """Each run's gradient address, if these tensors are laid out as the plan's (module docstring);
+        else None."""
+        keys = self.keys
+        if len(params) != len(keys) or len(grads) != len(keys) or (into is None) != (self.out_dtype is None):
+            return None
+        try:
+            operands = (params, mu, nu) if into is None else (params, mu, nu, into)
+            if not all(held.still_at(d, keys, self._device_index) for d, held in zip(operands, self._held)):
+                return None
+            return self._grads_at(grads)
+        except KeyError:
+            return None
+
+    def _grads_at(self, grads: dict) -> list[int] | None:
+        dtype, device_index, item = self.grad_dtype, self._device_index, self._item
+        ptrs = []
+        for first, members in self._grad_runs:
+            head = grads[first]
+            if head.get_device() != device_index:
+                return None
+            base = head.data_ptr()
+            # (the device once per run: with CUDA's unified addressing an address names one allocation on one
+            # device, so a gradient found at the address its run expects is what the kernel reads there)
+            for k, offset, n in members:
+                g = grads[k]
+                if g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype or not g.is_contiguous():
+                    return None
+            end = base + members[-1][1] + members[-1][2] * item
+            i = bisect.bisect_right(self._starts, base)  # read-only, but never a buffer the kernel writes
+            if (i and self._ends[i - 1] > base) or (i < len(self._starts) and self._starts[i] < end):
+                return None
+            ptrs.append(base)
+        return ptrs
+
+    def launch(self, spec, grad_ptrs: list[int], lr: torch.Tensor, step: torch.Tensor,
+               divisor: torch.Tensor | None, skip: torch.Tensor | None) -> None:
+        """The update of every run, in one launch (``spec``: the optimizer's `AdamSpec`)."""
+        device = self.device
+        adam_runs_(self.table, grad_ptrs, self.grad_dtype, lr=lr.to(device), step=step.to(device), beta1=spec.b1,
+                   beta2=spec.b2, eps=spec.eps, mode=spec.mode,
+                   grad_scale=None if divisor is None else divisor.to(device),
+                   found_inf=None if skip is None else skip.to(device))
+
