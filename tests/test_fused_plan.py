@@ -52,6 +52,12 @@ def device_path(monkeypatch):
     return counts
 
 
+# The GPU path driven on CPU tensors (the fixture above): where CUDA is, `shard` puts the state on the GPU, whose
+# own tests below (bit for bit on CUDA) take over.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="drives the GPU path on CPU tensors; on a GPU "
+                              "shard places the state there, and the CUDA tests cover it")
+
+
 def per_run(monkeypatch):
     """The per-run kernel (the general path) instead of a plan."""
     monkeypatch.setattr(fused, "_device_plan", lambda *a: None)
@@ -241,6 +247,7 @@ def _shard_run(stage: int, policy: str, planned: bool):
             "planned": isinstance(state.tx.fused.tables.get(fused._PLAN), fused_plan.DevicePlan)}
 
 
+@cpu_only
 @quiet
 @pytest.mark.parametrize("stage, policy", [(1, "bf16"), (2, "fp16"), (3, "bf16")])
 def test_shard_through_one_launch_is_the_per_run_kernel(device_path, monkeypatch, stage, policy):
@@ -255,6 +262,7 @@ def test_shard_through_one_launch_is_the_per_run_kernel(device_path, monkeypatch
             assert torch.equal(bits(planned[part][k]), bits(v)), (part, k)
 
 
+@cpu_only
 @quiet
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 3])
@@ -290,6 +298,7 @@ def test_norm_of_low_precision_gradients_reads_them_as_they_are(monkeypatch, dev
     assert not {torch.bfloat16, torch.float16} & set(casts) and torch.equal(got, want)
 
 
+@cpu_only
 def test_stage_1_shard_views_found_once_per_state_and_let_go_with_it():
     """shard stages 1/2 find a state's unit flats and shard views once (ShardLayout.state_views), reuse them
     while the state's params are the same tensors, never for another state, and drop them with the state."""
