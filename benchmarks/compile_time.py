@@ -209,11 +209,14 @@ def run_one(args, name: str, cache: str) -> dict:
            "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     cmd += ["--nodes"] if args.nodes else []
     cmd += ["--inductor", args.inductor]
+    load_before = os.getloadavg()[0]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1])
+    # The 1-minute load average before and after the run: on a shared machine, a compile's time is only
+    # comparable to another's made at the same load.
+    return {**json.loads(lines[-1]), "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def main() -> None:
@@ -230,6 +233,8 @@ def main() -> None:
     p.add_argument("--inductor", default="{}",
                    help="Inductor config for every contender, as JSON (e.g. "
                         "'{\"max_fusion_buffer_group_pairwise_attempts\": 16}': its fusion search)")
+    p.add_argument("--cold-only", action="store_true",
+                   help="one cold run per contender, no warm one (half the time: the figure the 2x goal is about)")
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
@@ -258,7 +263,8 @@ def main() -> None:
         return
     for name in args.contenders.split(","):
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
-            results[name] = {"cold": run_one(args, name, cache), "warm": run_one(args, name, cache)}
+            results[name] = {"cold": run_one(args, name, cache)}
+            results[name]["warm"] = results[name]["cold"] if args.cold_only else run_one(args, name, cache)
         print(f"  {name}: {json.dumps(results[name])}", flush=True)
     floor = results.get("floor", {})
     print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")

@@ -123,12 +123,16 @@ class UpdateRequest(NamedTuple):
     compute copy of `mixed_precision`); ``compute_into``: tensors, keyed like
     the params, that the copy should be written into when the update can
     (a fused kernel writes it in the same pass); ``host_threads``: threads
-    for a host kernel (`offload`'s share of the cores).
+    for a host kernel (`offload`'s share of the cores); ``flat_runs``: groups of
+    keys (each in buffer order) whose tensors are consecutive views of one flat
+    buffer in each param-shaped operand that records it (`zfunc.optim.flat`),
+    so that a traced update can run once per buffer.
     """
 
     compute_dtype: torch.dtype | None = None
     compute_into: dict | None = None
     host_threads: int | None = None
+    flat_runs: tuple[tuple[str, ...], ...] | None = None
 
 
 class Updated(NamedTuple):
