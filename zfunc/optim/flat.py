@@ -89,7 +89,8 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
       opt_state: the optimizer state; its moments are written in place where they have owners.
       runs: the flat runs, each a tuple of keys in buffer order; keys left out must hold no elements.
       compute_dtype, compute_into: also the new parameters in this dtype, written into ``compute_into``'s
-        owners where they have them (else returned as new tensors).
+        owners where they have them (else returned as new tensors); keys without elements keep
+        ``compute_into``'s (empty) tensors.
       skip: a 0-d bool; where set, everything keeps its old value (branch-free).
     """
     adam = spec.adam_state(opt_state)
@@ -99,10 +100,15 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     covered = {k for run in runs for k in run}
     if any(k not in covered and p.numel() for k, p in params.items()) or not covered <= params.keys():
         return None
+    # Each run's operands as ``(tensors, owner)``: one dtype and device within a run (an owner's, else checked
+    # key by key), the same across params and moments.
+    operands = []
     for run in runs:
-        first = params[run[0]]
-        if not all(d[k].dtype == first.dtype and d[k].device == first.device for d in (params, mu, nu) for k in run):
+        owned = [(d, owner_of(d, run)) for d in (params, mu, nu)]
+        kinds = {(o.dtype, o.device) if o is not None else _one_kind(d, run) for d, o in owned}
+        if len(kinds) != 1 or None in kinds:
             return None
+        operands.append(owned)
     lr = spec.schedule(spec.lr_state(opt_state).count)
     neg_lr = -lr
     # The 0-d quantities, once for the whole update (as `scale_by_adam` and `scale_by_learning_rate` compute them).
@@ -116,13 +122,14 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     clip_scale = None
     if spec.clip is not None:  # clip_by_global_norm before the optimizer: the same norm of the same gradients
         clip_scale = (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
-    new_params, new_mu, new_nu = dict(params), dict(mu), dict(nu)
+    # The new per-key tensors of operands without an owner (those with one keep their tensors, written in place).
+    new_params, new_mu, new_nu = {}, {}, {}
     copy = dict(compute_into) if compute_dtype is not None and compute_into is not None else None
     fresh_copy: dict[str, torch.Tensor] = {}
-    for run in runs:
+    for run, owned in zip(runs, operands):
         used = sum(params[k].numel() for k in run)
-        owners = [owner_of(d, run) for d in (params, mu, nu)]
-        p, m, v = (_read(d, run, used, o) for d, o in zip((params, mu, nu), owners))
+        owners = [o for _, o in owned]
+        p, m, v = (_read(d, run, used, o) for d, o in owned)
         u = _read(grads, run, used, None)
         u = u if u.dtype == p.dtype else u.to(p.dtype)
         if clip_scale is not None:
@@ -149,10 +156,16 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
             _write(d, run, used, o, new, out)
     if copy is not None:
         copy.update(fresh_copy)
-        for k, p in params.items():  # (keys with no elements here: an empty copy)
-            if k not in covered:
-                copy[k] = p.to(compute_dtype)
+    new_params, new_mu, new_nu = (old if not fresh else {**old, **fresh}
+                                  for old, fresh in ((params, new_params), (mu, new_mu), (nu, new_nu)))
     return new_params, spec.advanced(opt_state, new_mu, new_nu, lr, skip), copy
+
+
+def _one_kind(tensors: dict, keys: tuple[str, ...]) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of ``tensors[keys]`` if they all share one, else None."""
+    first = tensors[keys[0]]
+    kind = (first.dtype, first.device)
+    return kind if all((tensors[k].dtype, tensors[k].device) == kind for k in keys[1:]) else None
 
 
 def _decayed(p: torch.Tensor, keep: torch.Tensor, flags: list[bool], sizes: list[int]) -> torch.Tensor:
