@@ -262,13 +262,16 @@ def main() -> None:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
         return
     for name in args.contenders.split(","):
+        # (A contender named twice runs twice, e.g. floor,zfunc-s3-compiled,floor: on a shared machine, the
+        # floor before and after bounds how the load moved; the ratios are to the first floor.)
+        key = name if name not in results else f"{name}#{sum(k.split('#')[0] == name for k in results) + 1}"
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
-            results[name] = {"cold": run_one(args, name, cache)}
-            results[name]["warm"] = results[name]["cold"] if args.cold_only else run_one(args, name, cache)
-        print(f"  {name}: {json.dumps(results[name])}", flush=True)
+            results[key] = {"cold": run_one(args, name, cache)}
+            results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache)
+        print(f"  {key}: {json.dumps(results[key])}", flush=True)
     floor = results.get("floor", {})
-    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms | load |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
@@ -280,7 +283,7 @@ def main() -> None:
             return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
 
         print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {warm['compile_s']:.1f} | {ratio('warm')} "
-              f"| {warm['step_ms']:.1f} |")
+              f"| {warm['step_ms']:.1f} | {cold['load'][0]}-{cold['load'][1]} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device, "torch": torch.__version__, "results": results}, f,
