@@ -10,7 +10,8 @@ cache directory (``TORCHINDUCTOR_CACHE_DIR``, the FX graph and AOTAutograd cache
 default): **cold**, the directory empty; **warm**, the directory the cold run filled, as in a
 second run of a training script. Compile time is the first step's wall time less a later step's
 median (what the first step spent compiling); the table gives it and its ratio to the floor's cold
-and warm figures, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
+and warm figures, the same in CPU seconds (robust to the load of a shared machine; with
+``TORCHINDUCTOR_COMPILE_THREADS=1`` it includes the build), the 1-minute load average around each run, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
 summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
@@ -171,17 +172,28 @@ def measure(args) -> dict:
         one(0)
         dist.destroy_process_group()
         return {"nodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
-    times, loss = [], None
+    times, cpu, loss = [], [], None
     for i in range(1 + args.steps):
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         loss = one(i)
         sync()
         times.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "loss": float(loss), "phases": phases()}
+            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases()}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its waited-for children (the C++ compiler Inductor runs): on a machine
+    shared with other work, a compile's CPU time moves far less with the load than its wall time. (Inductor's
+    pool of compile workers is not waited for: run with TORCHINDUCTOR_COMPILE_THREADS=1 to count its work.)"""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # Where a compile spends its time (dynamo's timers, seconds summed over the process's compiles):
@@ -270,19 +282,21 @@ def main() -> None:
             results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache)
         print(f"  {key}: {json.dumps(results[key])}", flush=True)
     floor = results.get("floor", {})
-    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms | load |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| contender | cold compile s | vs floor cold | cold compile CPU s | vs floor | warm compile s | vs floor warm "
+          "| step ms | load |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
-            print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | |")
+            print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | | | | |")
             continue
 
-        def ratio(kind, r=r):
-            base = floor.get(kind, {}).get("compile_s")
-            return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
+        def ratio(kind, r=r, what="compile_s"):
+            base = floor.get(kind, {}).get(what)
+            return f"{r[kind][what] / base:.2f}x" if base else "-"
 
-        print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {warm['compile_s']:.1f} | {ratio('warm')} "
+        print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {cold['compile_cpu_s']:.1f} "
+              f"| {ratio('cold', what='compile_cpu_s')} | {warm['compile_s']:.1f} | {ratio('warm')} "
               f"| {warm['step_ms']:.1f} | {cold['load'][0]}-{cold['load'][1]} |")
     if args.json:
         with open(args.json, "w") as f:
