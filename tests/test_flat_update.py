@@ -197,3 +197,35 @@ def test_decay_mask_under_compile_names_the_keys():
     torch.compile(masked, fullgraph=True, backend="eager")(_values(0))
     assert seen == {"a.w": True, "a.b": False, "a.empty": False, "b.w": True, "b.norm": False, "b.b": False,
                     "mapping": True}
+
+
+def _compiled_stage_3_step(stage: int) -> str:
+    """One compiled step of shard(mixed_precision(bf16)) with the per-parameter update made to fail: the traced
+    update must take the flat route (and the state's views then hold the new values)."""
+    import torch._dynamo
+
+    import zfunc.state
+    from tests.models import make_batch
+    from tests.shard_cases import build
+    from zfunc.transforms import mixed_precision, shard
+
+    def per_parameter(*args, **kwargs):
+        raise AssertionError("the traced update took the per-parameter route")
+
+    torch._dynamo.reset()
+    plain, state = build()
+    step = shard(mixed_precision(plain, "bf16"), stage=stage)
+    state = step.init(state)
+    before = {k: v.clone() for k, v in state.params.items()}
+    zfunc.state.pure_update = per_parameter
+    run = torch.compile(step, fullgraph=True, backend="eager")
+    for i in range(2):  # (the schedule's first rate is 0: warmup)
+        state, _ = run(state, make_batch(8, seed=i))
+    moved = [k for k, v in state.params.items() if v.numel() and not torch.equal(v, before[k])]
+    return "flat" if len(moved) == sum(1 for v in before.values() if v.numel()) else f"moved only {moved}"
+
+
+@pytest.mark.slow  # (traces two whole steps: ~15 s each on 2 idle cores)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_compiled_shard_step_takes_the_flat_route(dist, stage):
+    assert dist(_compiled_stage_3_step, 1, stage, timeout=600)[0] == "flat"
