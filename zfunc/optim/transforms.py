@@ -140,8 +140,8 @@ def decay_mask(mask: Mask, params: PyTree) -> PyTree:
     """
     if mask is None:
         return tree_map(lambda p: True, params)
-    if isinstance(params, dict) and all(isinstance(k, str) for k in params):
-        # A flat dict (every state zfunc makes): its keys are the names. (Not through the paths of
+    if isinstance(params, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
+        # A flat dict of tensors (every state zfunc makes): its keys are the names. (Not through the paths of
         # `tree_map_with_path`, which under torch.compile's dynamo, in its polyfill of optree, are not the
         # keys: every name would be wrong, and a mask would silently decay nothing.)
         if callable(mask):
