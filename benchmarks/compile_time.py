@@ -10,7 +10,8 @@ cache directory (``TORCHINDUCTOR_CACHE_DIR``, the FX graph and AOTAutograd cache
 default): **cold**, the directory empty; **warm**, the directory the cold run filled, as in a
 second run of a training script. Compile time is the first step's wall time less a later step's
 median (what the first step spent compiling); the table gives it and its ratio to the floor's cold
-and warm figures, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
+and warm figures, the same in CPU seconds (robust to the load of a shared machine; with
+``TORCHINDUCTOR_COMPILE_THREADS=1`` it includes the build), the 1-minute load average around each run, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
 summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
@@ -171,17 +172,28 @@ def measure(args) -> dict:
         one(0)
         dist.destroy_process_group()
         return {"nodes": dict(sorted(counts.items(), key=lambda kv: -kv[1]))}
-    times, loss = [], None
+    times, cpu, loss = [], [], None
     for i in range(1 + args.steps):
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         loss = one(i)
         sync()
         times.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "loss": float(loss), "phases": phases()}
+            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases()}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its waited-for children (the C++ compiler Inductor runs): on a machine
+    shared with other work, a compile's CPU time moves far less with the load than its wall time. (Inductor's
+    pool of compile workers is not waited for: run with TORCHINDUCTOR_COMPILE_THREADS=1 to count its work.)"""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 # Where a compile spends its time (dynamo's timers, seconds summed over the process's compiles):
@@ -209,11 +221,14 @@ def run_one(args, name: str, cache: str) -> dict:
            "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     cmd += ["--nodes"] if args.nodes else []
     cmd += ["--inductor", args.inductor]
+    load_before = os.getloadavg()[0]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
-    return json.loads(lines[-1])
+    # The 1-minute load average before and after the run: on a shared machine, a compile's time is only
+    # comparable to another's made at the same load.
+    return {**json.loads(lines[-1]), "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
 
 
 def main() -> None:
@@ -230,6 +245,8 @@ def main() -> None:
     p.add_argument("--inductor", default="{}",
                    help="Inductor config for every contender, as JSON (e.g. "
                         "'{\"max_fusion_buffer_group_pairwise_attempts\": 16}': its fusion search)")
+    p.add_argument("--cold-only", action="store_true",
+                   help="one cold run per contender, no warm one (half the time: the figure the 2x goal is about)")
     p.add_argument("--json")
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
@@ -257,24 +274,30 @@ def main() -> None:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
         return
     for name in args.contenders.split(","):
+        # (A contender named twice runs twice, e.g. floor,zfunc-s3-compiled,floor: on a shared machine, the
+        # floor before and after bounds how the load moved; the ratios are to the first floor.)
+        key = name if name not in results else f"{name}#{sum(k.split('#')[0] == name for k in results) + 1}"
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
-            results[name] = {"cold": run_one(args, name, cache), "warm": run_one(args, name, cache)}
-        print(f"  {name}: {json.dumps(results[name])}", flush=True)
+            results[key] = {"cold": run_one(args, name, cache)}
+            results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache)
+        print(f"  {key}: {json.dumps(results[key])}", flush=True)
     floor = results.get("floor", {})
-    print("\n| contender | cold compile s | vs floor cold | warm compile s | vs floor warm | step ms |")
-    print("|---|---|---|---|---|---|")
+    print("\n| contender | cold compile s | vs floor cold | cold compile CPU s | vs floor | warm compile s | vs floor warm "
+          "| step ms | load |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
-            print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | |")
+            print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | | | | |")
             continue
 
-        def ratio(kind, r=r):
-            base = floor.get(kind, {}).get("compile_s")
-            return f"{r[kind]['compile_s'] / base:.2f}x" if base else "-"
+        def ratio(kind, r=r, what="compile_s"):
+            base = floor.get(kind, {}).get(what)
+            return f"{r[kind][what] / base:.2f}x" if base else "-"
 
-        print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {warm['compile_s']:.1f} | {ratio('warm')} "
-              f"| {warm['step_ms']:.1f} |")
+        print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {cold['compile_cpu_s']:.1f} "
+              f"| {ratio('cold', what='compile_cpu_s')} | {warm['compile_s']:.1f} | {ratio('warm')} "
+              f"| {warm['step_ms']:.1f} | {cold['load'][0]}-{cold['load'][1]} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device, "torch": torch.__version__, "results": results}, f,

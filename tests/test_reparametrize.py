@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zfunc.reparametrize import swapped
+from zfunc.reparametrize import SlotTable, swapped
 from zfunc.transforms.shard_layout import make_layout
 
 
@@ -54,6 +54,28 @@ def test_slow_route_when_a_tied_twin_is_missing_or_a_name_is_no_slot():
     with swapped(m, plain, cache):
         assert m.scale is plain["scale"]
     assert cache[(m, ("scale",))] is False and float(m.scale) == 2.0
+
+
+def test_a_table_built_ahead_finds_the_same_routes():
+    """`SlotTable`, built once (as `functional` does, before the module's parameters are released): the same
+    fast and slow routes as a walk at the call; a sub-module's table knows only its own ties."""
+    m = Tied()
+    table, head_table = SlotTable(m), SlotTable(m.head)
+    for p in m.parameters():
+        p.data = torch.empty(0)  # (what release_module_params does: the identities stay)
+    both = {"emb.weight": torch.zeros(5, 3), "head.weight": None}
+    both["head.weight"] = both["emb.weight"]
+    cache: dict = {}
+    with swapped(m, both, cache, table=table):
+        assert m.head.weight is both["emb.weight"]
+    assert cache[(m, ("emb.weight", "head.weight"))]
+    with swapped(m, {"emb.weight": torch.zeros(5, 3)}, cache, table=table):
+        pass
+    assert cache[(m, ("emb.weight",))] is False, "a tied twin not given: torch's route"
+    with swapped(m.head, {"weight": torch.zeros(5, 3)}, cache, table=head_table):
+        pass
+    assert cache[(m.head, ("weight",))], "inside the head alone, its weight has no twin"
+    assert table.twins["emb.weight"] == ["emb.weight", "head.weight"] and "norm.weight" not in table.twins
 
 
 def test_restores_even_when_the_forward_raises():

@@ -15,15 +15,22 @@ call, so the eager step is unchanged):
   calls only. A cache entry stored while tracing would be written for real
   when the compiled step runs, and the next call's guards (which saw the
   cache without it) would fail: one needless recompile. Tracing computes
-  the entry instead of storing it (`remember`);
+  the entry instead of storing it (`remember`); so what every call asks of
+  the model's structure (slot tables, a block's names and sub-modules) is
+  built eagerly when `functional` builds the structure, and a trace only
+  looks it up;
 - the model's lock: none while tracing (dynamo serializes tracing);
 - collectives (`shard`): torch's functional collectives, which Inductor can
   reorder and overlap (`zfunc.transforms.shard_compiled`), instead of
   asynchronous work objects waited for with a timeout;
-- the optimizer: the pure pytree update instead of the fused kernels (numba,
-  Triton), which dynamo cannot trace; Inductor fuses the pure update itself;
-- fp16 loss scaling: the skip of an overflowing step is a ``torch.where`` on
-  the update instead of a Python branch on a host read;
+- the optimizer: the fused form's arithmetic as torch operations once per
+  unit's flat buffers, written back in place with one copy per buffer
+  (`zfunc.optim.flat`, where the state's views record their buffer), instead
+  of the fused kernels (numba, Triton), which dynamo cannot trace; other
+  optimizers the pure pytree update;
+- fp16 loss scaling: the skip of an overflowing step is a ``torch.where`` in
+  the update (the step's skip flag, as eager) instead of a Python branch on a
+  host read;
 - a recomputed block (`checkpoint`, stage 3's recompute) runs as it is: the
   step differentiates with `torch.func.vjp`, under which the eager
   recompute's saved-tensor hooks (and torch's checkpoint region) are refused, and an ``autograd.Function`` that

@@ -179,7 +179,7 @@ def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:
     for override in overrides:
         override.install()
     try:
-        with swapped(model, outer_params, call.structure.slots):
+        with swapped(model, outer_params, call.structure.slots, table=call.structure.slot_tables.get(model)):
             return model(*call.args, **call.kwargs)
     except RuntimeError as err:
         if "mutate a captured Tensor" in str(err):
@@ -223,7 +223,8 @@ def _call_block(block: nn.Module, block_params: dict, args: tuple, kwargs: dict,
     what runs it instead of its class's ``forward`` (`ModelCall.block_forward`).
     """
     watch = structure.data_watch
-    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied), \
+    with structure.lock, swapped(block, block_params, structure.slots, tie_weights=tied,
+                                 table=structure.slot_tables.get(block)), \
             watch.watching(block_params) if watch is not None else contextlib.nullcontext():
         if forward is not None:
             return forward(block, *args, **kwargs)

@@ -21,6 +21,7 @@ from torch import nn
 from zfunc.blocks import find_blocks, select_blocks
 from zfunc.compiled import remember, tracing
 from zfunc.data_access import DataReadHistory, ParamsWatch
+from zfunc.reparametrize import SlotTable
 
 T = TypeVar("T")
 # How many objects' derived structures a model keeps per kind (`ModelStructure.derived`): a state's
@@ -52,6 +53,8 @@ class ModelStructure:
         # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against.
         self.spec = {name: (p.shape, p.dtype) for name, _, _, p in self.trainable if self.aliases[name] == name}
         self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
+        # The slot tables of the model and of its routed blocks, built now, outside any trace (`SlotTable`).
+        self.slot_tables: dict[nn.Module, SlotTable] = {model: SlotTable(model)}
         # The module is one object shared by every call: swapping tensors into its slots (and a
         # block's forward) is exclusive. Reentrant: a block's swap runs inside the model's, and a
         # recompute in backward takes it again (possibly from autograd's own thread).
@@ -72,8 +75,9 @@ class ModelStructure:
         self._of_type: dict = {}
         self._modules: dict[str, nn.Module] = {}
         self._derived: dict[tuple[str, int], tuple[Any, Any]] = {}
-        # Where the frozen parameters and buffers live (`mixed_precision` casts them per call).
-        self.constant_slots: list | None = None
+        # Where the frozen parameters and buffers live (`mixed_precision` casts them per call), found now: a
+        # call traced by torch.compile would otherwise walk every module of the model again.
+        self.constant_slots = constant_slots(model)
         # Route the model's blocks now, outside any torch.compile trace (`BlockDispatch`): the blocks
         # transforms wrap by default. Others are routed at the first eager call that wraps them.
         self._dispatches: dict[str, BlockDispatch] = {}
@@ -113,7 +117,15 @@ class ModelStructure:
         """Sub-module ``name``'s `BlockDispatch` (installed now if it has none; never while dynamo traces)."""
         found = self._dispatches.get(name)
         if found is None:
-            found = self._dispatches[name] = BlockDispatch.install(self.model.get_submodule(name), name)
+            block = self.model.get_submodule(name)
+            found = self._dispatches[name] = BlockDispatch.install(block, name)
+            # What each call of the block asks of its structure, found now, outside any trace: a call traced by
+            # torch.compile fills no cache (`zfunc.compiled.remember`) and would walk the block's modules again
+            # for each (most of dynamo's work on zfunc's Python per block, once the update ran per unit).
+            self.slot_tables.setdefault(block, SlotTable(block))
+            self.submodules(name)
+            self.block_param_names(name)
+            self.block_has_ties(name)
         return found
 
     @property
@@ -151,9 +163,8 @@ class ModelStructure:
         """``(qualified name, module)`` of block ``name``'s sub-modules of type ``kind`` (itself included)."""
         found = self._of_type.get((name, kind))
         if found is None:
-            block = self.model.get_submodule(name)
             found = remember(self._of_type, (name, kind), [
-                (f"{name}.{sub}" if sub else name, m) for sub, m in block.named_modules() if isinstance(m, kind)])
+                (f"{name}.{sub[:-1]}" if sub else name, m) for sub, m in self.submodules(name) if isinstance(m, kind)])
         return found
 
     def blocks(self) -> list[str]:
@@ -282,6 +293,20 @@ class OutsideItsBlock(torch.Tensor):
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
              torch.Tensor.element_size, torch.Tensor.__repr__, torch.Tensor.__format__}
+
+
+def constant_slots(model: nn.Module) -> list[tuple[str, dict, str, bool, Any]]:
+    """Where the model's frozen parameters and buffers live: (name, the owner's ``_parameters`` or
+    ``_buffers``, attribute, is a buffer, the owner if it is a batch norm). The tensors are read from these
+    slots at each call, so a buffer the module replaced (``.to()``) is still the one found."""
+    slots = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        norm = module if isinstance(module, nn.modules.batchnorm._NormBase) else None
+        head = f"{prefix}." if prefix else ""
+        slots += [(head + attr, module._parameters, attr, False, None)
+                  for attr, p in module._parameters.items() if p is not None and not p.requires_grad]
+        slots += [(head + attr, module._buffers, attr, True, norm) for attr in module._buffers]
+    return slots
 
 
 def _first_outside(tree: Any) -> OutsideItsBlock | None:

@@ -127,13 +127,17 @@ class UpdateRequest(NamedTuple):
     gradients in host memory that may still be landing from the GPU
     (`zfunc.tiers.landing.HostLanding`, under `offload` at one micro-batch):
     whatever reads one on the host calls ``grads_landing.wait(g)`` (or
-    ``wait_all()``) first.
+    ``wait_all()``) first; ``flat_runs``: groups of keys (each in buffer
+    order) whose tensors are consecutive views of one flat buffer in each
+    param-shaped operand that records it (`zfunc.optim.flat`), so that a
+    traced update can run once per buffer.
     """
 
     compute_dtype: torch.dtype | None = None
     compute_into: dict | None = None
     host_threads: int | None = None
     grads_landing: Any = None
+    flat_runs: tuple[tuple[str, ...], ...] | None = None
 
 
 class Updated(NamedTuple):

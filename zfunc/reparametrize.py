@@ -30,19 +30,53 @@ from zfunc.compiled import remember, tracing
 Slots = list[tuple[dict, str]]
 
 
+class SlotTable:
+    """Every parameter and buffer slot of a module by qualified name, and the names that share one tensor.
+
+    What `swapped` needs to find a set of names' slots, found in one walk over the module. A model's
+    structure builds the tables of the model and its blocks once, eagerly (`zfunc.model_structure`), so that
+    a call traced by torch.compile, which fills no cache (`zfunc.compiled.remember`), looks names up in
+    them instead of tracing a walk over every sub-module of the model at each block (which was ~40% of
+    dynamo's work on a GPT step). Identities are those of when it was built: releasing a module's
+    parameters keeps them (``p.data = ...``).
+    """
+
+    __slots__ = ("slots", "twins")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.slots: dict[str, tuple[dict, str]] = {}
+        # Names that share one tensor, grouped by identity (`is`, not id(): torch.compile may trace this on
+        # its first call, where a tensor swapped in by an outer call has no id to take).
+        groups: list[tuple[torch.Tensor, list[str]]] = []
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            head = f"{prefix}." if prefix else ""
+            for where in (sub._parameters, sub._buffers):
+                for attr, t in where.items():
+                    if t is None:
+                        continue
+                    self.slots.setdefault(head + attr, (where, attr))
+                    group = next((g for g in groups if g[0] is t), None)
+                    if group is None:
+                        groups.append((t, [head + attr]))
+                    else:
+                        group[1].append(head + attr)
+        self.twins = {name: names for _, names in groups if len(names) > 1 for name in names}
+
+
 @contextlib.contextmanager
 def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
-            tie_weights: bool = True) -> Iterator[None]:
+            tie_weights: bool = True, table: SlotTable | None = None) -> Iterator[None]:
     """Inside the ``with``, ``module``'s tensor named ``k`` (qualified) is ``tensors[k]``.
 
     ``cache``: a dict the caller keeps across calls (the slots found for each
     module and set of names). ``tie_weights``: as in torch's
-    ``functional_call``; it matters only on the slow route.
+    ``functional_call``; it matters only on the slow route. ``table``: the
+    module's `SlotTable`, if the caller has it.
     """
     key = (module, tuple(tensors))
     slots = cache.get(key)
     if slots is None:
-        slots = remember(cache, key, _find_slots(module, tensors) or False)
+        slots = remember(cache, key, _find_slots(module, tensors, table) or False)
     if slots is False:
         with torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=tie_weights,
                                                              strict=False):
@@ -78,33 +112,19 @@ def _refuse_reassigned(slots: Slots, tensors: dict[str, torch.Tensor]) -> None:
             "change parameters outside the model, in the step.")
 
 
-def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Slots | None:
-    """The slot of each name, or None where the fast route would differ from torch's."""
+def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor], table: SlotTable | None = None) -> Slots | None:
+    """The slot of each name, or None where the fast route would differ from torch's: a name that is not a
+    parameter or buffer slot (a plain attribute, a missing name: torch's route handles those), or a tensor
+    reachable under another name that is not given (torch's route re-ties it)."""
+    table = SlotTable(module) if table is None else table
     names = set(tensors)
-    # Names that share one tensor, grouped by identity (`is`, not id(): torch.compile traces this on its
-    # first call, where a tensor swapped in by an outer call has no id to take).
-    groups: list[tuple[torch.Tensor, list[str]]] = []
-    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        group = next((g for g in groups if g[0] is t), None)
-        if group is None:
-            groups.append((t, [name]))
-        else:
-            group[1].append(name)
     slots: Slots = []
     for name in tensors:
-        prefix, _, attr = name.rpartition(".")
-        try:
-            owner = module.get_submodule(prefix) if prefix else module
-        except AttributeError:
+        slot = table.slots.get(name)
+        if slot is None:
             return None
-        if attr in owner._parameters and owner._parameters[attr] is not None:
-            where = owner._parameters
-        elif attr in owner._buffers and owner._buffers[attr] is not None:
-            where = owner._buffers
-        else:
-            return None  # a plain attribute or a missing name: torch's route handles those
-        twins = next((group for t, group in groups if t is where[attr]), [name])
-        if not set(twins) <= names:
-            return None  # a tied twin not given: torch's route re-ties it
-        slots.append((where, attr))
+        twins = table.twins.get(name)
+        if twins is not None and not set(twins) <= names:
+            return None
+        slots.append(slot)
     return slots

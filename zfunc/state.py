@@ -39,6 +39,7 @@ from zfunc.donation import Donation, check_laid_out_by
 from zfunc.primitives import UpdateRequest, Updated, dispatch
 from zfunc.step_context import current
 from zfunc.optim import GradientTransformation, apply_updates
+from zfunc.optim.flat import flat_adam_update
 from zfunc.optim.fused import fused_update
 from zfunc.tree import describe_mismatch, register_pytree_node, tree_map, tree_structure
 
@@ -141,16 +142,25 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     `shard`, `offload`), an optimizer that declares a fused form runs as one
     in-place kernel per run of parameters, on the host or the GPU by where
     the tensors are (`zfunc.optim.fused.fused_update`), writing the compute
-    copy the request asks for in the same pass. Otherwise, and for every
-    other optimizer, the pure update (`pure_update`).
+    copy the request asks for in the same pass; while torch.compile traces,
+    as torch operations once per flat run the request names
+    (`zfunc.optim.flat.flat_adam_update`). Otherwise, and for every other
+    optimizer, the pure update (`pure_update`).
     """
     ctx = current()
     skip = ctx.skip if ctx is not None else None  # skip the update on the device (see `plain_apply_gradients`)
-    # (Under torch.compile the pure update: dynamo cannot trace the kernels, and Inductor fuses it.)
     landing = request.grads_landing  # (gradients still landing in host memory: `UpdateRequest`)
-    if ctx is not None and ctx.facts.fused_update and tx.fused is not None and not tracing():
-        done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
-                            request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing)
+    if ctx is not None and ctx.facts.fused_update and tx.fused is not None:
+        if not tracing():
+            done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
+                                request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing)
+        elif request.flat_runs is not None:
+            # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
+            # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).
+            done = flat_adam_update(tx.fused, params, grads, opt_state, request.flat_runs, request.compute_dtype,
+                                    request.compute_into, skip=skip)
+        else:
+            done = None
         if done is not None:
             ctx.state_consumed = True
             return done

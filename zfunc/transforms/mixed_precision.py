@@ -106,7 +106,6 @@ from zfunc.transforms.mixed_precision_policy import (  # noqa: F401 (describe_po
     describe_policy_codes,
     policy_codes,
 )
-from zfunc.tree import tree_map
 
 
 class _StepInfo:
@@ -292,18 +291,15 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         overflow = found > 0
         new_mp, at_min = self._scaled(mp, overflow)
         info.skipped = overflow
-        skipped = Updated(state.replace(extras={**state.extras, self.name: new_mp}), None)
-        if tracing():
-            # torch.compile: no host read. The update is computed, and where it overflowed the state
-            # keeps its old values (`where_tree`); the error at the minimum scale is raised when it runs.
-            torch._assert_async(~at_min, self.scaler.at_min_message())
-            applied = self._applied(next, state, grads, request, mp, new_mp)
-            return Updated(where_tree(overflow, skipped.state, applied.state), applied.compute_copy)
         # No host read: the update is skipped on the device where it overflowed (params, master, optimizer
-        # state and step stay; only the scaler moves), and the error at the minimum scale is raised at the
-        # next use of the state (`zfunc.donation.Finding`).
+        # state and step stay; only the scaler moves: branch-free, `torch.where` in the update), and the error
+        # at the minimum scale is raised at the next use of the state (`zfunc.donation.Finding`; in a compiled
+        # step, by the graph itself when it runs).
         ctx = current()
         ctx.skip_update_if(overflow)
+        if tracing():
+            torch._assert_async(~at_min, self.scaler.at_min_message())
+            return self._applied(next, state, grads, request, mp, new_mp)
         message = self.scaler.at_min_message()
         ctx.findings.append(Finding(at_min.to(torch.float32).reshape(1), lambda values, step: FloatingPointError(
             f"{message} (at the step given the state with step={step}; its update was skipped)")))
@@ -338,17 +334,4 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
                                                              overflow)
         # (Built, not ``mp._replace``: see `_write_back`.)
         return MixedPrecisionState(mp.master, scale, good, hysteresis, skipped_steps, mp.policy), at_min
-
-
-def where_tree(condition: torch.Tensor, if_true: Any, if_false: Any) -> Any:
-    """Leaf-wise ``torch.where(condition, a, b)`` over two states (or trees) of one structure (other
-    leaves from ``if_false``): the branch-free form of "skip this update" in a compiled step."""
-    def pick(a, b):
-        return tree_map(lambda x, y: torch.where(condition, x, y) if isinstance(y, torch.Tensor) else y, a, b)
-
-    if hasattr(if_false, "opt_state"):  # a TrainState: field by field (its static fields are shared)
-        return if_false.replace(step=pick(if_true.step, if_false.step), params=pick(if_true.params, if_false.params),
-                                opt_state=pick(if_true.opt_state, if_false.opt_state),
-                                extras=pick(if_true.extras, if_false.extras))
-    return pick(if_true, if_false)
 

@@ -133,22 +133,7 @@ def refuse_parameter_writes(params: dict, versions: dict, why: str) -> None:
 
 
 def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
-    """Where the model's frozen parameters and buffers live: (name, the owner's ``_parameters`` or
-    ``_buffers``, attribute, is a buffer, the owner if it is a batch norm).
-
-    Found once per model (kept in the model's `ModelStructure`) rather than by walking every module
-    of the model on every forward: the tensors are read from these slots at each call, so a buffer
-    the module replaced (``.to()``) is still the one cast.
-    """
-    slots = call.structure.constant_slots
-    if slots is None:
-        slots = []
-        for prefix, module in call.model.named_modules(remove_duplicate=False):
-            norm = module if isinstance(module, nn.modules.batchnorm._NormBase) else None
-            head = f"{prefix}." if prefix else ""
-            slots += [(head + attr, module._parameters, attr, False, None)
-                      for attr, p in module._parameters.items() if p is not None and not p.requires_grad]
-            slots += [(head + attr, module._buffers, attr, True, norm) for attr in module._buffers]
-        if not tracing():  # (a store while torch.compile traces would cost a recompile: `zfunc.compiled`)
-            call.structure.constant_slots = slots
-    return slots
+    """Where the model's frozen parameters and buffers live (`zfunc.model_structure.constant_slots`, found
+    once per model when `functional` built its structure, not by walking every module of the model on every
+    forward)."""
+    return call.structure.constant_slots

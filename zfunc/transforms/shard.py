@@ -60,6 +60,7 @@ from zfunc import dist
 from zfunc.compiled import tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
+from zfunc.optim.flat import OWNER
 from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
@@ -237,16 +238,15 @@ class shard(Transform):  # noqa: N801
 
         def optimizer(tree: dict) -> dict:
             region = unit.rank_region(unit.pack_full(tree), layout.rank)
-            return unit.shard_views(placement.optimizer_tensor(unit.name, region), layout.rank)
+            return owned_views(unit, placement.optimizer_tensor(unit.name, region), layout.rank)
 
         opt_state = map_param_shaped(state.opt_state, keys, optimizer)
         extras = map_param_shaped(dict(state.extras), keys, optimizer)
         params = {k: state.params[k] for k in unit.keys}
         if self.stage == 3:
-            flat = placement.params_tensor(unit.rank_region(unit.pack_full(params), layout.rank))
-            new_params = unit.shard_views(flat, layout.rank)
-            for view in new_params.values():
-                view._zfunc_owner = flat  # keeps a pinned buffer's registration as long as its views live
+            # (The owner also keeps a pinned buffer's registration as long as its views live.)
+            new_params = owned_views(unit, placement.params_tensor(unit.rank_region(unit.pack_full(params),
+                                                                                     layout.rank)), layout.rank)
         else:  # full parameters, stored as views of one flat buffer per unit
             new_params = unit.full_views(unit.pack_full(params).to(placement.device))
         return state.replace(params=new_params, opt_state=opt_state, extras=extras)
@@ -487,6 +487,9 @@ class shard(Transform):  # noqa: N801
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
+        if tracing():  # the update may run once per unit's flat buffers (`zfunc.optim.flat`)
+            request = request._replace(flat_runs=tuple(run for run in (unit.filled_keys(layout.rank)
+                                                                       for unit in layout.units) if run))
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
@@ -512,6 +515,15 @@ class shard(Transform):  # noqa: N801
                 comm.all_gather(mine if in_place else mine.clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
+
+
+def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+    """Per-key views of ``unit``'s flat shard on ``rank``, each recording the buffer it views (``_zfunc_owner``,
+    `zfunc.optim.flat`: a compiled step updates and writes back the unit through it, in one piece)."""
+    views = unit.shard_views(flat_shard, rank)
+    for view in views.values():
+        setattr(view, OWNER, flat_shard)
+    return views
 
 
 def _under_torch_func() -> bool:

@@ -184,7 +184,7 @@ def unit_views(comm: CompiledComm, unit: UnitLayout, slices: dict, rank: int,
     if comm.group.size > 1:
         comm.gathered += unit.padded
         comm.reduced += unit.padded
-    return unit.full_views(GatherUnit.apply(flat_shard, comm.wire))
+    return unit.split_views(GatherUnit.apply(flat_shard, comm.wire))
 
 
 def param_shards(params: dict, layout) -> dict[str, torch.Tensor]:
@@ -204,7 +204,7 @@ def gather_updated(comm: CompiledComm, params: dict, layout) -> None:
         mine = unit.cat_shard(param_shards({k: params[k] for k in unit.keys}, _one(unit, layout)), layout.rank)
         full = comm.all_gather(mine)
         with torch.no_grad():
-            for key, view in unit.full_views(full).items():
+            for key, view in unit.split_views(full).items():
                 params[key].copy_(view)
 
 

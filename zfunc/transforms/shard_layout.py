@@ -133,10 +133,23 @@ class UnitLayout:
     def _spans(self) -> dict[int, tuple[tuple[str, int, int], ...]]:
         return {}
 
+    def filled_keys(self, rank: int) -> tuple[str, ...]:
+        """The keys with elements in ``rank``'s flat shard, in their order there (their slices tile its start)."""
+        return tuple(key for key, start, end in self.shard_spans(rank) if end > start)
+
     def full_views(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-key views, in their shapes, of a gathered flat buffer."""
         return {key: flat_full[o:o + n].view(shape)
                 for key, o, n, shape in zip(self.keys, self.offsets, self.numels, self.shapes)}
+
+    def split_views(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`full_views` made by one ``split``: what a traced step uses, where it is one node of the graph (not a
+        slice and a view per key), and its gradient one concatenation (not a zero-filled scatter per key
+        summed into the unit's gradient)."""
+        sizes = self.numels + ((self.padded - self.numel,) if self.padded > self.numel else ())
+        parts = flat_full.split(sizes)
+        return {key: part if len(shape) == 1 else part.view(shape)
+                for key, part, shape in zip(self.keys, parts, self.shapes)}
 
     def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """`full_views` as one ``as_strided`` each (half the dispatches of slice + view), in key
@@ -194,7 +207,7 @@ class UnitLayout:
         only padding still gets an autograd edge to its (empty) slices, so its
         backward issues the unit's reduction like every other rank's.
         """
-        parts = [slices[k].reshape(-1) for k in self.keys]
+        parts = [_flat(slices[k]) for k in self.keys]
         used = sum(p.numel() for p in parts)
         ref = slices[self.keys[0]]
         if used < self.shard_size:
@@ -407,6 +420,11 @@ def merge_units(pieces: list, order: list[str]) -> Any:
         return first
 
     return merge(pieces)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 1-D (itself when it is: no view, which in a traced graph would be one more node)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _prod(shape: Iterable[int]) -> int:

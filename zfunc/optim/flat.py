@@ -1,0 +1,179 @@
+"""The fused form of Adam/AdamW as torch operations over flat buffers: the update of a traced step.
+
+Under torch.compile the fused kernels (numba, Triton) cannot be traced, and the
+pure pytree update (`zfunc.state.pure_update`) puts one copy of Adam's
+arithmetic per parameter tensor into the graph: ~20 operator nodes per
+parameter for the update, its write-back into the state and the per-key views,
+every one of them reading the same 0-d tensors (learning rate, bias
+corrections), which makes Inductor's fusion search meet one group as large as
+the update. Here a step's update runs once per *flat run* instead: a group of
+keys whose tensors are, in every param-shaped operand, consecutive views of one
+flat buffer (under `shard`, a unit's slice of each kind of state: its master,
+its moments, its parameter shards), so the graph holds one set of elementwise
+operations and one write per buffer, whatever the number of parameters.
+
+Where a buffer is. A tensor of the state that is a view of a flat buffer made
+by zfunc carries it as ``tensor._zfunc_owner`` (set where the buffer is cut
+into views, `zfunc.transforms.shard`). Dynamo reads that attribute like any
+Python attribute (it becomes a graph input, aliasing the views, which
+AOTAutograd then merges into one base) and guards on which tensor it is, so a
+run is taken as flat only when every key of it holds the very same owner; a
+state whose tensors were replaced (no owner, or another one) takes the
+per-key route for that operand. Which keys form a run, in which order, is
+told by the caller (`zfunc.primitives.UpdateRequest.flat_runs`: the layout
+knows it; the storage offsets of a traced tensor cannot be read).
+
+Exactness: every element goes through the same operations, in the same
+order and dtypes, as in the pure chain of `zfunc.optim.adamw` / `adam`
+(optionally after ``clip_by_global_norm``) followed by `apply_updates`, so
+the result equals the per-parameter update bit for bit
+(``tests/test_flat_update.py``). Weight decay that differs between the keys
+of a run (a mask) is one per-element selection (``torch.where`` between
+``p·(1 − lr·λ)`` and ``p``), built from the per-key flags at trace time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zfunc.optim.fused import AdamSpec
+from zfunc.optim.transforms import global_norm
+
+OWNER = "_zfunc_owner"
+
+
+def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None:
+    """The flat buffer whose leading span ``tensors[keys]`` are views of, in order (see the module doc), or
+    None where any key has no owner or another one."""
+    if tensors is None:
+        return None
+    owner = getattr(tensors[keys[0]], OWNER, None)
+    if owner is None or any(getattr(tensors[k], OWNER, None) is not owner for k in keys[1:]):
+        return None
+    return owner
+
+
+def _read(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None) -> torch.Tensor:
+    """The run's values as one 1-D tensor: the owner's leading span, else a concatenation."""
+    if owner is not None:
+        return owner if owner.numel() == used else owner[:used]
+    parts = [t if t.dim() == 1 else t.reshape(-1) for t in map(tensors.__getitem__, keys)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None,
+           new: torch.Tensor, out: dict) -> None:
+    """``new`` (the run's new values) into ``out``: written into the owner in place (``out`` keeps the
+    tensors, views of it), else as new per-key tensors (views of ``new``)."""
+    if owner is not None:
+        with torch.no_grad():
+            (owner if owner.numel() == used else owner[:used]).copy_(new)
+        return
+    parts = new.split([tensors[k].numel() for k in keys]) if len(keys) > 1 else (new,)
+    for k, part in zip(keys, parts):
+        out[k] = part.view(tensors[k].shape)
+
+
+def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, runs: tuple[tuple[str, ...], ...],
+                     compute_dtype: torch.dtype | None = None, compute_into: dict | None = None,
+                     skip: torch.Tensor | None = None):
+    """One Adam/AdamW update run by run (see the module docstring): ``(params, opt_state, compute_copy)``,
+    what `zfunc.optim.fused.fused_update` returns, or None where these tensors do not fit (then the caller
+    takes the pure update).
+
+    Args:
+      spec: the optimizer's fused form (``tx.fused``).
+      params, grads: dicts keyed alike; ``grads`` may be in a lower precision (upcast exactly).
+      opt_state: the optimizer state; its moments are written in place where they have owners.
+      runs: the flat runs, each a tuple of keys in buffer order; keys left out must hold no elements.
+      compute_dtype, compute_into: also the new parameters in this dtype, written into ``compute_into``'s
+        owners where they have them (else returned as new tensors); keys without elements keep
+        ``compute_into``'s (empty) tensors.
+      skip: a 0-d bool; where set, everything keeps its old value (branch-free).
+    """
+    adam = spec.adam_state(opt_state)
+    mu, nu = adam.mu, adam.nu
+    if not (isinstance(params, dict) and isinstance(grads, dict) and isinstance(mu, dict) and isinstance(nu, dict)):
+        return None
+    covered = {k for run in runs for k in run}
+    if any(k not in covered and p.numel() for k, p in params.items()) or not covered <= params.keys():
+        return None
+    # Each run's operands as ``(tensors, owner)``: one dtype and device within a run (an owner's, else checked
+    # key by key), the same across params and moments.
+    operands = []
+    for run in runs:
+        owned = [(d, owner_of(d, run)) for d in (params, mu, nu)]
+        kinds = {(o.dtype, o.device) if o is not None else _one_kind(d, run) for d, o in owned}
+        if len(kinds) != 1 or None in kinds:
+            return None
+        operands.append(owned)
+    lr = spec.schedule(spec.lr_state(opt_state).count)
+    neg_lr = -lr
+    # The 0-d quantities, once for the whole update (as `scale_by_adam` and `scale_by_learning_rate` compute them).
+    t = (adam.count + 1).to(torch.float64)
+    bias_correction1 = 1 - spec.b1 ** t
+    bias_correction2_sqrt = (1 - spec.b2 ** t).sqrt()
+    keep = None
+    decays = spec.weight_decays(params)
+    if spec.mode == "adamw" and spec.weight_decay:
+        keep = (1 - lr.to(torch.float64) * spec.weight_decay).to(lr.dtype)
+    clip_scale = None
+    if spec.clip is not None:  # clip_by_global_norm before the optimizer: the same norm of the same gradients
+        clip_scale = (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+    # The new per-key tensors of operands without an owner (those with one keep their tensors, written in place).
+    new_params, new_mu, new_nu = {}, {}, {}
+    copy = dict(compute_into) if compute_dtype is not None and compute_into is not None else None
+    fresh_copy: dict[str, torch.Tensor] = {}
+    for run, owned in zip(runs, operands):
+        used = sum(params[k].numel() for k in run)
+        owners = [o for _, o in owned]
+        p, m, v = (_read(d, run, used, o) for d, o in owned)
+        u = _read(grads, run, used, None)
+        u = u if u.dtype == p.dtype else u.to(p.dtype)
+        if clip_scale is not None:
+            u = u * clip_scale.to(u.dtype)
+        if spec.mode == "adam" and spec.weight_decay:
+            u = u.add(p, alpha=spec.weight_decay)
+        m_new = torch.lerp(m, u.to(m.dtype), 1 - spec.b1)
+        v_new = (v * spec.b2).addcmul(u, u, value=1 - spec.b2).to(v.dtype)
+        direction = (m_new / bias_correction1.to(m_new.dtype)) / (
+            (v_new.sqrt() / bias_correction2_sqrt.to(v_new.dtype)) + spec.eps)
+        start = p if keep is None else _decayed(p, keep, [decays[k] != 0 for k in run],
+                                                [params[k].numel() for k in run])
+        update = (torch.addcmul(start, direction, neg_lr) - p).to(torch.promote_types(u.dtype, p.dtype))
+        p_new = (p + update).to(p.dtype)
+        if skip is not None:
+            p_new, m_new, v_new = (torch.where(skip, old, new) for old, new in ((p, p_new), (m, m_new), (v, v_new)))
+        if copy is not None:  # (before the master is written: its owner's span is ``p``'s storage)
+            c_new = p_new.to(compute_dtype)
+            target = owner_of(compute_into, run)
+            if target is not None and (target.dtype, target.device) != (compute_dtype, p.device):
+                target = None
+            _write(compute_into, run, used, target, c_new, fresh_copy)
+        for d, o, new, out in zip((params, mu, nu), owners, (p_new, m_new, v_new), (new_params, new_mu, new_nu)):
+            _write(d, run, used, o, new, out)
+    if copy is not None:
+        copy.update(fresh_copy)
+    new_params, new_mu, new_nu = (old if not fresh else {**old, **fresh}
+                                  for old, fresh in ((params, new_params), (mu, new_mu), (nu, new_nu)))
+    return new_params, spec.advanced(opt_state, new_mu, new_nu, lr, skip), copy
+
+
+def _one_kind(tensors: dict, keys: tuple[str, ...]) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device of ``tensors[keys]`` if they all share one, else None."""
+    first = tensors[keys[0]]
+    kind = (first.dtype, first.device)
+    return kind if all((tensors[k].dtype, tensors[k].device) == kind for k in keys[1:]) else None
+
+
+def _decayed(p: torch.Tensor, keep: torch.Tensor, flags: list[bool], sizes: list[int]) -> torch.Tensor:
+    """``p·keep`` where the key's weight decays, ``p`` elsewhere (exactly the per-key choice)."""
+    if all(flags):
+        return p * keep
+    if not any(flags):
+        return p
+    mask = torch.repeat_interleave(torch.tensor(flags, device=p.device), torch.tensor(sizes, device=p.device),
+                                   output_size=p.numel())
+    return torch.where(mask, p * keep, p)
