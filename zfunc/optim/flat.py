@@ -98,7 +98,8 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     if not (isinstance(params, dict) and isinstance(grads, dict) and isinstance(mu, dict) and isinstance(nu, dict)):
         return None
     covered = {k for run in runs for k in run}
-    if any(k not in covered and p.numel() for k, p in params.items()) or not covered <= params.keys():
+    # (membership, not a set comparison: dynamo 2.11 cannot trace `<=` between a set and dict keys)
+    if any(k not in covered and p.numel() for k, p in params.items()) or not all(k in params for k in covered):
         return None
     # Each run's operands as ``(tensors, owner)``: one dtype and device within a run (an owner's, else checked
     # key by key), the same across params and moments.

@@ -493,7 +493,9 @@ class shard(Transform):  # noqa: N801
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
-            if fresh is old:  # (the fused update hands back the moments it updated in place)
+            # (The fused update hands back the moments it updated in place. Not asked while dynamo traces: its
+            # 2.11 cannot trace `is` between two dicts, and the loop below then copies nothing that is itself.)
+            if not tracing() and fresh is old:
                 return old
             for k, t in old.items():
                 if fresh[k] is not t:
