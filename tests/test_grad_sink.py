@@ -45,7 +45,9 @@ class Uneven(nn.Module):
         return self.head(x)
 
 
-def build(wrap, returns_grads: bool = False, optimizer=None):
+def build(wrap, returns_grads: bool = False, optimizer=None, reads_norm: bool = False):
+    """``(step, state)`` of the Uneven model; ``returns_grads``: the metrics hold the gradients; ``reads_norm``:
+    the step also reads its gradients before the update (their squared norm, in the metrics)."""
     torch.manual_seed(0)
     model = Uneven()
     apply_fn, params = zf.functional(model)
@@ -55,7 +57,10 @@ def build(wrap, returns_grads: bool = False, optimizer=None):
 
     def train_step(state, ids):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
-        return state.apply_gradients(grads), ({"loss": loss, "grads": grads} if returns_grads else {"loss": loss})
+        metrics = {"loss": loss, "grads": grads} if returns_grads else {"loss": loss}
+        if reads_norm:
+            metrics["norm"] = sum(g.float().pow(2).sum() for g in grads.values() if g.is_floating_point())
+        return state.apply_gradients(grads), metrics
 
     step = wrap(train_step)
     state = step.init(zf.TrainState.create(params, optimizer or zf.optim.adamw(1e-2, weight_decay=0.1)))
@@ -228,20 +233,7 @@ def test_landing_gradients_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
 
 def norm_step(wrap):
     """A step that reads its gradients before the update (their norm) and returns them."""
-    torch.manual_seed(0)
-    model = Uneven()
-    apply_fn, params = zf.functional(model)
-
-    def loss_fn(p, ids):
-        return F.cross_entropy(apply_fn(p, ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-
-    def train_step(state, ids):
-        loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
-        norm = sum(g.float().pow(2).sum() for g in grads.values() if g.is_floating_point())
-        return state.apply_gradients(grads), {"loss": loss, "norm": norm, "grads": grads}
-
-    step = wrap(train_step)
-    return step, step.init(zf.TrainState.create(params, zf.optim.adamw(1e-2, weight_decay=0.1)))
+    return build(wrap, returns_grads=True, reads_norm=True)
 
 
 def test_a_step_reading_landing_gradients_waits_for_them_and_keeps_what_it_returns(monkeypatch):
