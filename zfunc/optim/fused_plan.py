@@ -85,7 +85,7 @@ class DevicePlan:
               into: dict | None, out_dtype: torch.dtype | None) -> DevicePlan | None:
         """The plan for these tensors, or None where one launch cannot take them (the caller then takes the
         general path). ``runs``: the nonempty keys in runs that are one gap-free span in every operand
-        (`zfunc.optim.fused.contiguous_runs`); the caller checked `fusable` and that ``into`` fits."""
+        (`zfunc.optim.spans.contiguous_runs`); the caller checked `fusable` and that ``into`` fits."""
         first = params[runs[0][0]]
         device = first.device
         grad_dtype = grads[runs[0][0]].dtype

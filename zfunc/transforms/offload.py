@@ -44,7 +44,7 @@ import torch
 from zfunc.compiled import tracing
 from zfunc.facts import Facts
 from zfunc.interpret import Transform
-from zfunc.optim.fused import contiguous_runs, span_of
+from zfunc.optim.spans import contiguous_runs, span_of
 from zfunc.primitives import Updated
 from zfunc.step_context import current
 from zfunc.transforms.grad_accumulator import GradAccumulator, keyed_grads, kept_host_buffers, optimizer_devices
