@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
-from zfunc.recompute_eager import run_recomputed
+from zfunc.recompute_eager import RngStates, run_recomputed
 from zfunc.tree import tree_flatten, tree_unflatten
 
 
@@ -71,19 +71,6 @@ def refuse_running_statistics(norms: list[tuple[str, torch.nn.Module]], who: str
                 "the recompute in backward would update its running statistics a second time. Put it in eval "
                 "mode, use track_running_stats=False or a norm without running statistics (LayerNorm, "
                 f"GroupNorm), or {remedy}.")
-
-
-class RNGState:
-    """The CPU and current-CUDA-device RNG states, captured to replay dropout."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
 
 
 def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
@@ -223,7 +210,7 @@ class _Plan:
     def __init__(self, run: Callable, num_params: int, save) -> None:
         self.run, self.num_params, self.save = run, num_params, save
         self.out_spec = None
-        self.rng: RNGState | None = None
+        self.rng: RngStates | None = None
         self.functional = False  # whether the call ran under a torch.func transform (then rerun under vjp)
 
 
@@ -233,7 +220,7 @@ class _RecomputeFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(plan: _Plan, *inputs: torch.Tensor):
-        plan.rng = RNGState()
+        plan.rng = RngStates(torch.device("cuda", i) for i in _rng_devices())  # (the current CUDA device's)
         params, tensors = inputs[:plan.num_params], inputs[plan.num_params:]
         watch = EscapeWatch([t for t in inputs if t.is_floating_point()])
         with torch.no_grad(), watch:

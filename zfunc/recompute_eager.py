@@ -80,7 +80,7 @@ class _Frame:
         self.dtypes: list[torch.dtype] = []
         self.recomputed: list[torch.Tensor | None] = []
         self.task = None  # the backward pass (graph task) `recomputed` was made for
-        self.rng = _RngStates(devices)
+        self.rng = RngStates(devices)
         self.autocast = _autocast_settings()
 
     def unpack(self, index: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ class _Frame:
                 raise _StopRecompute  # the rest of the block saves nothing backward needs
             return kept
 
-        now = _RngStates(self.rng.devices)
+        now = RngStates(self.rng.devices)
         self.rng.restore()
         try:
             with saved_tensors_hooks(pack, _same), torch.enable_grad(), _Autocast(self.autocast):
@@ -142,8 +142,9 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class _RngStates:
-    """The CPU's RNG state and those of ``devices`` (CUDA devices, once CUDA is initialized)."""
+class RngStates:
+    """The CPU's RNG state and those of ``devices`` (CUDA devices, once CUDA is initialized), captured to
+    replay dropout: ``restore()`` sets them back (both recompute routes, `zfunc.recompute`)."""
 
     __slots__ = ("cpu", "cuda", "devices")
 
