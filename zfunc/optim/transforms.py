@@ -140,30 +140,24 @@ def decay_mask(mask: Mask, params: PyTree) -> PyTree:
     """
     if mask is None:
         return tree_map(lambda p: True, params)
-    if isinstance(params, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
-        # A flat dict of tensors (every state zfunc makes): its keys are the names. (Not through the paths of
-        # `tree_map_with_path`, which under torch.compile's dynamo, in its polyfill of optree, are not the
-        # keys: every name would be wrong, and a mask would silently decay nothing.)
-        if callable(mask):
-            return {k: bool(mask(k)) for k in params}
-        if isinstance(mask, Mapping):
-            missing = next((k for k in params if k not in mask), None)
-            if missing is not None:
-                raise ValueError(f"weight decay mask has no entry for parameter {missing!r}; "
-                                 f"give every parameter a bool, or pass a callable name -> bool")
-            return {k: bool(mask[k]) for k in params}
     if callable(mask):
-        return tree_map_with_path(lambda path, p: bool(mask(parameter_name(path))), params)
-    if isinstance(mask, Mapping):
-        def lookup(path: tuple, p: Any) -> bool:
-            name = parameter_name(path)
+        def decides(name: str) -> bool:
+            return bool(mask(name))
+    elif isinstance(mask, Mapping):
+        def decides(name: str) -> bool:
             if name not in mask:
                 raise ValueError(f"weight decay mask has no entry for parameter {name!r}; "
                                  f"give every parameter a bool, or pass a callable name -> bool")
             return bool(mask[name])
-        return tree_map_with_path(lookup, params)
-    raise TypeError(f"mask must be None, a callable name -> bool or a dict name -> bool, "
-                    f"got {type(mask).__name__}")
+    else:
+        raise TypeError(f"mask must be None, a callable name -> bool or a dict name -> bool, "
+                        f"got {type(mask).__name__}")
+    if isinstance(params, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in params.items()):
+        # A flat dict of tensors (every state zfunc makes): its keys are the names. (Not through the paths of
+        # `tree_map_with_path`, which under torch.compile's dynamo, in its polyfill of optree, are not the
+        # keys: every name would be wrong, and a mask would silently decay nothing.)
+        return {k: decides(k) for k in params}
+    return tree_map_with_path(lambda path, p: decides(parameter_name(path)), params)
 
 
 def add_decayed_weights(weight_decay: float, mask: Mask = None) -> GradientTransformation:
