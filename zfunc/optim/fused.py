@@ -256,7 +256,7 @@ def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, 
     plan = spec.tables.get(_PLAN)
     into = into if compute_dtype is not None else None
     if isinstance(plan, DevicePlan):
-        if plan.out_dtype == (compute_dtype if compute_dtype is not None else None):
+        if plan.out_dtype == compute_dtype:
             ptrs = plan.grad_addresses(params, grads, mu, nu, into)
             if ptrs is not None:
                 return plan, ptrs
