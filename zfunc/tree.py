@@ -17,7 +17,8 @@ Every function here takes and returns plain pytrees; nothing is mutated.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Iterable
 
 import optree
 import torch
@@ -235,3 +236,15 @@ def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
         if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.shape != g.shape:
             lines.append(f"  {k}: expected shape {tuple(e.shape)}, got {tuple(g.shape)}")
     return "\n".join(lines)
+
+
+def weak_refs(tensors: Iterable[torch.Tensor]) -> list[weakref.ref]:
+    """Weak references to ``tensors``, in order: what a cache keeps to know later whether it is handed the very
+    same tensors (`still_the_same`) without keeping them alive."""
+    return [weakref.ref(t) for t in tensors]
+
+
+def still_the_same(refs: list[weakref.ref], tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether ``tensors`` are, one by one and as many, the very tensors ``refs`` were made from (`weak_refs`)."""
+    tensors = list(tensors)
+    return len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))

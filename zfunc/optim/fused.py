@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import weakref
 from typing import Any, Callable, Literal
 
 import torch
@@ -41,6 +40,7 @@ from zfunc.optim.fused_plan import DevicePlan
 from zfunc.optim.spans import contiguous_runs, find_runs, laid_out_like, span_of
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
 from zfunc.tiers.placement import page_out
+from zfunc.tree import still_the_same, weak_refs
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -260,18 +260,14 @@ def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, 
             ptrs = plan.grad_addresses(params, grads, mu, nu, into)
             if ptrs is not None:
                 return plan, ptrs
-    elif plan is not None and len(plan) == len(params) and all(map(_same, plan, params.values())):
+    elif plan is not None and still_the_same(plan, params.values()):
         return None  # these very parameters could not be planned
     plan = _build_plan(spec, params, grads, mu, nu, compute_dtype, into)
-    spec.tables[_PLAN] = plan if plan is not None else [weakref.ref(p) for p in params.values()]
+    spec.tables[_PLAN] = plan if plan is not None else weak_refs(params.values())
     if plan is None:
         return None
     ptrs = plan.grad_addresses(params, grads, mu, nu, into)
     return (plan, ptrs) if ptrs is not None else None
-
-
-def _same(ref: weakref.ref, t: torch.Tensor) -> bool:
-    return ref() is t
 
 
 def _build_plan(spec, params, grads, mu, nu, compute_dtype, into) -> DevicePlan | None:

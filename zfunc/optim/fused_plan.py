@@ -22,12 +22,11 @@ so a state dropped by its user is freed as before.
 from __future__ import annotations
 
 import bisect
-import operator
-import weakref
 
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
+from zfunc.tree import still_the_same, weak_refs
 
 
 class _Held:
@@ -38,7 +37,7 @@ class _Held:
 
     def __init__(self, d: dict, keys: tuple) -> None:
         tensors = [d[k] for k in keys]
-        self.refs = [weakref.ref(t) for t in tensors]
+        self.refs = weak_refs(tensors)
         self.ptrs = [t.data_ptr() for t in tensors]
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
@@ -48,7 +47,7 @@ class _Held:
         dtype and size, contiguous, at that address on the plan's device (e.g. a new view of the same
         buffer)."""
         tensors = [d[k] for k in keys]
-        if all(map(operator.is_, tensors, [r() for r in self.refs])) and [t.data_ptr() for t in tensors] == self.ptrs:
+        if still_the_same(self.refs, tensors) and [t.data_ptr() for t in tensors] == self.ptrs:
             return True  # (the usual step: the very tensors, where they were)
         for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
             if ref() is t:

@@ -26,7 +26,7 @@ import torch
 
 from zfunc.compiled import cached_property, remember
 from zfunc.blocks import find_blocks
-from zfunc.tree import register_pytree_node
+from zfunc.tree import register_pytree_node, still_the_same, weak_refs
 
 ROOT = ""
 
@@ -243,12 +243,12 @@ class StateViews:
 
     def get(self, params: dict) -> tuple[dict, dict] | None:
         entry = self._entry  # (read once: another thread may put its own state's)
-        if entry is None or len(entry[0]) != len(params) or not all(map(_is_referent, entry[0], params.values())):
+        if entry is None or not still_the_same(entry[0], params.values()):
             return None
         return entry[1], entry[2]
 
     def put(self, params: dict, flats: dict, shards: dict) -> None:
-        refs = [weakref.ref(t) for t in params.values()]
+        refs = weak_refs(params.values())
         self._entry = (refs, flats, shards)
         weakref.finalize(next(iter(params.values())), self._drop, refs)
 
@@ -261,10 +261,6 @@ class StateViews:
 
     def __reduce__(self):
         return StateViews, ()
-
-
-def _is_referent(ref: weakref.ref, t: torch.Tensor) -> bool:
-    return ref() is t
 
 
 @dataclasses.dataclass(frozen=True)
