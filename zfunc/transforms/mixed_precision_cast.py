@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -103,7 +102,8 @@ def _constants(call, compute: torch.dtype, cast_buffers: bool):
     constants = dict(call.constants)
     buffers = []
     cast: dict[int, torch.Tensor] = {}
-    for name, where, attr, is_buffer, norm in _constant_slots(call):
+    # (where the frozen parameters and buffers live: found once per model, `model_structure.constant_slots`)
+    for name, where, attr, is_buffer, norm in call.structure.constant_slots:
         if is_buffer and not cast_buffers:
             continue
         tensor = where.get(attr)
@@ -130,10 +130,3 @@ def refuse_parameter_writes(params: dict, versions: dict, why: str) -> None:
                 "the change would be lost and training would silently diverge from eager PyTorch. Make the "
                 "forward pure (renormalize functionally, e.g. F.embedding(..., max_norm=None) and scale the "
                 "rows yourself) or run without this transform.")
-
-
-def _constant_slots(call) -> list[tuple[str, dict, str, bool, Any]]:
-    """Where the model's frozen parameters and buffers live (`zfunc.model_structure.constant_slots`, found
-    once per model when `functional` built its structure, not by walking every module of the model on every
-    forward)."""
-    return call.structure.constant_slots
