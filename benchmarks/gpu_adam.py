@@ -275,7 +275,7 @@ def main(argv=None):
     ga = import_gpu_adam()
     chunk = args.chunk
     info = machine_info(device)
-    backend = ga._pick_backend(args.backend, device)
+    backend = ga.resolve_backend(args.backend, device)
     print(f"python {info['python']}  torch {info['torch']}  triton {info['triton'] or '-'}  "
           f"device {info.get('gpu', device)}  zfunc backend {backend}  config {ga.TRITON_CONFIG}  "
           f"chunk {chunk or 'auto'}")

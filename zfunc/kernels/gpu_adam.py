@@ -168,10 +168,6 @@ def _interpreting() -> bool:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend ``"auto"``, ``"triton"`` or ``"torch"`` stands for on ``device`` (raises where it cannot
     run there)."""
-    return _pick_backend(backend, device)
-
-
-def _pick_backend(backend: str, device: torch.device) -> str:
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "auto":
@@ -245,7 +241,7 @@ def adam_flat_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     beta1, beta2, eps = _number(beta1, "beta1"), _number(beta2, "beta2"), _number(eps, "eps")
     _check_no_overlap({"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq,
                        "out_lowp": out_lowp})
-    backend = _pick_backend(backend, device)
+    backend = resolve_backend(backend, device)
     if not segments.runs:
         return
     if backend == "triton":
@@ -280,7 +276,7 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int], grad_dtype: torch.dtype, *,
     if grad_dtype not in _GRAD_KINDS:
         raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
     device = runs.device
-    _pick_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
+    resolve_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
     runs.set_grads(grad_ptrs)
     if not runs.num_chunks:
         return
