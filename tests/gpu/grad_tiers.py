@@ -50,7 +50,8 @@ class Deep(nn.Module):
         return self.head(x)
 
 
-def run(args, sink: bool, k: int) -> dict:
+def model_and_loss(args):
+    """``(params, loss_fn)`` of the meta-built `Deep` model (the same model and loss for every check here)."""
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Deep(args.width, args.depth)
@@ -58,6 +59,12 @@ def run(args, sink: bool, k: int) -> dict:
 
     def loss_fn(p, ids):
         return F.cross_entropy(apply_fn(p, ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    return params, loss_fn
+
+
+def run(args, sink: bool, k: int) -> dict:
+    params, loss_fn = model_and_loss(args)
 
     def train_step(state, ids):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
@@ -96,13 +103,7 @@ def probe_landing(args) -> list[str]:
     from zfunc.tiers import placement
     from zfunc.transforms import grad_accumulator
 
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Deep(args.width, args.depth)
-    apply_fn, params = zf.functional(model, init="reset_parameters")
-
-    def loss_fn(p, ids):
-        return F.cross_entropy(apply_fn(p, ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
+    params, loss_fn = model_and_loss(args)
 
     def train_step(state, ids):
         loss, grads = zf.value_and_grad(loss_fn)(state.params, ids)
