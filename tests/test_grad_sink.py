@@ -94,6 +94,12 @@ def one_micro_batch_sink(stage: int) -> dict:
     return {"fed": fed, "wrapped": wrapped, "plain": plain}
 
 
+def assert_wrapped_is_plain(got: dict) -> None:
+    """One rank's results: the offloaded step's weights equal the plain step's, element-wise (the same arithmetic)."""
+    for k, v in got["plain"].items():
+        torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
 def test_one_micro_batch_hands_every_unit_to_the_sink_once_per_step(world, stage):
@@ -101,8 +107,7 @@ def test_one_micro_batch_hands_every_unit_to_the_sink_once_per_step(world, stage
         units = set(got["fed"])
         assert len(got["fed"]) == 3 * len(units), got["fed"]  # three steps, each unit once per step
         assert len(units) >= 3  # the blocks with gradients and the root (the frozen block has none)
-        for k, v in got["plain"].items():  # the same arithmetic as without offload: equal element-wise
-            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+        assert_wrapped_is_plain(got)  # the same arithmetic as without offload: equal element-wise
 
 
 def nvme_fp16_sink(nvme_dir: str) -> dict:
@@ -117,8 +122,7 @@ def nvme_fp16_sink(nvme_dir: str) -> dict:
 
 def test_one_micro_batch_sink_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
     for got in run_distributed(nvme_fp16_sink, 2, str(tmp_path)):
-        for k, v in got["plain"].items():
-            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+        assert_wrapped_is_plain(got)
 
 
 def accumulate_step():
@@ -185,8 +189,7 @@ def test_gradients_landing_in_page_locked_buffers_train_as_the_plain_step(world,
         assert got["issued"] and sum(got["issued"]) == 3 * got["registered"], got  # each unit's gradient, each step
         assert got["left"] == 0  # every copy was waited for by the end of its step
         assert got["registered"] == got["live"] >= 3  # registered once per kept buffer (not once per step)
-        for k, v in got["plain"].items():  # exactly the plain step's update: no read before its copy landed
-            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+        assert_wrapped_is_plain(got)  # exactly the plain step's update: no read before its copy landed
 
 
 def landed_split(nvme_dir: str) -> dict:
@@ -203,8 +206,7 @@ def landed_split(nvme_dir: str) -> dict:
 
 def test_landing_gradients_with_every_tier_and_parameters_on_the_host(tmp_path):
     for got in run_distributed(landed_split, 2, str(tmp_path)):
-        for k, v in got["plain"].items():
-            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+        assert_wrapped_is_plain(got)
 
 
 @pytest.mark.parametrize("optimizer", ["clipped", "sgd"])
@@ -227,8 +229,7 @@ def test_landing_gradients_with_the_nvme_tier_and_fp16_loss_scaling(tmp_path):
             return nvme_fp16_sink(directory)
 
     for got in run_distributed(both, 2, str(tmp_path)):
-        for k, v in got["plain"].items():
-            torch.testing.assert_close(got["wrapped"][k], v, rtol=0, atol=0, msg=k)
+        assert_wrapped_is_plain(got)
 
 
 def norm_step(wrap):
