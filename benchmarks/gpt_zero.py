@@ -391,6 +391,11 @@ def profile_steps(args, one) -> None:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60),
           flush=True)
+    # Where the host time goes, by operator and CUDA runtime call (self time: what each costs by itself).
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60),
+          flush=True)
+    if os.environ.get("GPT_ZERO_TRACE_DIR"):  # a Chrome trace per contender, for the gaps between kernels
+        prof.export_chrome_trace(os.path.join(os.environ["GPT_ZERO_TRACE_DIR"], f"{args.contender_name}.json"))
 
 
 def device_name() -> str:
@@ -447,6 +452,7 @@ def main():
         f"{time.strftime('%Y-%m-%d %H:%M')}")
     results = {}
     for name in names:
+        args.contender_name = name
         args.allocated_before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         try:
             if name in ("floor", "floor-compiled"):
