@@ -22,6 +22,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import make_batch, tiny_lm_step
+from zfunc.testing import run_distributed
 from zfunc.transforms import checkpoint, mixed_precision, shard
 from zfunc.transforms.shard_blocks import BlockPlan
 from zfunc.transforms.shard_layout import UnitLayout
@@ -44,8 +45,8 @@ def _counting(monkeypatch, counts: collections.Counter, owner, name: str, static
     monkeypatch.setattr(owner, name, staticmethod(counted) if static else counted)
 
 
-@pytest.mark.parametrize("stack", list(STACKS))
-def test_a_steady_state_step_derives_no_structure(stack, monkeypatch):
+def steady_step_counts(stack: str) -> tuple[dict, int]:
+    """Calls into the structure-deriving code during the third step of ``stack``, and the number of units."""
     _, params, train_step = tiny_lm_step(depth=DEPTH)
     step = STACKS[stack](train_step)
     state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
@@ -53,17 +54,35 @@ def test_a_steady_state_step_derives_no_structure(stack, monkeypatch):
     for _ in range(2):
         state, _ = step(state, batch)
     counts: collections.Counter = collections.Counter()
-    _counting(monkeypatch, counts, BlockPlan, "build", static=True)
-    _counting(monkeypatch, counts, UnitLayout, "shard_data")
-    for walk in ("named_modules", "named_buffers", "named_parameters", "get_submodule"):
-        _counting(monkeypatch, counts, nn.Module, walk)
-    state, metrics = step(state, batch)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _counting(monkeypatch, counts, BlockPlan, "build", static=True)
+        _counting(monkeypatch, counts, UnitLayout, "shard_data")
+        for walk in ("named_modules", "named_buffers", "named_parameters", "get_submodule"):
+            _counting(monkeypatch, counts, nn.Module, walk)
+        state, metrics = step(state, batch)
     assert torch.isfinite(metrics["loss"])
-    assert counts["BlockPlan.build"] == 0, counts
+    return dict(counts), len(state.extras["shard"].units)  # (units: the blocks' and the root's)
+
+
+def _check_counts(counts: dict, units: int, world: int) -> None:
+    assert counts.get("BlockPlan.build", 0) == 0, counts
     walks = {k: v for k, v in counts.items() if k.startswith("Module.")}
     assert not walks, f"a steady-state step walked the model's modules: {walks}"
-    units = len(state.extras["shard"].units)  # the blocks' and the root's
-    assert 0 < counts["UnitLayout.shard_data"] <= units, counts
+    if world == 1:  # one rank: the blocks run on the shards themselves, nothing is gathered
+        assert counts.get("UnitLayout.shard_data", 0) == 0, counts
+    else:
+        assert 0 < counts.get("UnitLayout.shard_data", 0) <= units, counts
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_steady_state_step_derives_no_structure(stack):
+    _check_counts(*steady_step_counts(stack), world=1)
+
+
+@pytest.mark.parametrize("stack", list(STACKS))
+def test_a_steady_state_step_derives_no_structure_on_two_ranks(stack):
+    for counts, units in run_distributed(steady_step_counts, 2, stack):
+        _check_counts(counts, units, world=2)
 
 
 @pytest.mark.filterwarnings("ignore:shard.stage=3.. the root unit holds")

@@ -75,7 +75,7 @@ from zfunc.transforms.shard_layout import (
 from zfunc.transforms.shard_blocks import BlockPlan
 from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same_random_stream, warn_about_root
 from zfunc.transforms.shard_pipelined import StageUnits
-from zfunc.transforms.shard_units import Units
+from zfunc.transforms.shard_units import Units, refuse_writes
 from zfunc.tree import tree_map_tensors
 
 
@@ -350,7 +350,7 @@ class shard(Transform):  # noqa: N801
         if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
             return _Call(layout, comm, None, StageUnits(layout, comm))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
-                      verify=self.verify, host=self._host_group(ctx, group)) if self.stage > 1 else None
+                      verify=self.verify, host=self._host_group(ctx, group), who=repr(self)) if self.stage > 1 else None
         return _Call(layout, comm, units)
 
     def _host_group(self, ctx, group: dist.Group) -> dist.Group | None:
@@ -438,16 +438,17 @@ class shard(Transform):  # noqa: N801
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
-        root_written = None  # a version counter to check after the forward (see below)
+        root_written = None  # version counters to check after the forward (see below)
         if root is not None:
             root_views = units.views(root, params, params, full_flats, recomputed=False)
             new_params.update(root_views)
-            if self.stage == 3 and not torch.is_grad_enabled() and root_views and not tracing():
-                # Without gradients the root unit is a plain gathered copy: a write into it (an evaluation
-                # forward through nn.Embedding(max_norm=...)) would never reach the shards. (With gradients
-                # autograd refuses the write; blocks are checked as they run, `shard_units._run_checked`.)
-                first = root_views[root.keys[0]]  # (views of one buffer share its version counter)
-                root_written = (first, first._version)
+            if root_views and not tracing() and (units.runs_on_shards() or (self.stage == 3
+                                                                             and not torch.is_grad_enabled())):
+                # Without gradients the stage 3 root unit is a plain gathered copy: a write into it (an
+                # evaluation forward through nn.Embedding(max_norm=...)) would never reach the shards; the
+                # shards themselves (one rank) are refused the same writes. (Otherwise autograd refuses the
+                # write; blocks are checked as they run, `shard_units.refuse_writes`.)
+                root_written = (root_views, [t._version for t in root_views.values()])
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
         recomputed = self.stage == 3 and self.reshard == "recompute"
@@ -468,15 +469,8 @@ class shard(Transform):  # noqa: N801
         model_call.resolve_outside = outside
         out = next(model_call)
         units.finish_call(params, full_flats)
-        if root_written is not None and root_written[0]._version != root_written[1]:
-            keys = list(root.keys)
-            raise RuntimeError(
-                f"{self!r}: the forward (run without gradients) wrote in place into a parameter of the root unit "
-                f"({', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}), e.g. nn.Embedding(max_norm=...) "
-                "renormalizing the rows it looks up; under stage 3 the model runs on a gathered copy, so the "
-                "write would never reach the shards. Make the forward pure (renormalize functionally: "
-                "F.embedding(..., max_norm=None), then scale the looked-up rows), or change weights outside "
-                "the model call (e.g. after apply_gradients).")
+        if root_written is not None:
+            refuse_writes(*root_written, repr(self), "the root unit")
         return out
 
     def apply_gradients(self, next, state, grads, request):

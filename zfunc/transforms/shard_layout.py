@@ -151,6 +151,12 @@ class UnitLayout:
         return {key: part if len(shape) == 1 else part.view(shape)
                 for key, part, shape in zip(self.keys, parts, self.shapes)}
 
+    def reshaped(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each key's tensor in ``slices`` viewed in its parameter's shape: at world size 1, where a shard
+        is its whole parameter (1-D ones are given as they are)."""
+        return {key: t if len(shape) == 1 else t.view(shape)
+                for key, shape, t in zip(self.keys, self.shapes, map(slices.__getitem__, self.keys))}
+
     def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """`full_views` as one ``as_strided`` each (half the dispatches of slice + view), in key
         order; for plain data only (autograd through ``as_strided`` is slower than through a slice)."""

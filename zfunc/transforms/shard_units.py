@@ -142,14 +142,17 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 
 _requires_grad = operator.attrgetter("requires_grad")
+_version = operator.attrgetter("_version")
 
 
 class Units:
     """The stage 2/3 unit machinery of one call of `shard` (see the module docstring)."""
 
     def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"],
-                 explicit_units: bool = False, verify: bool = True, host: dist.Group | None = None) -> None:
+                 explicit_units: bool = False, verify: bool = True, host: dist.Group | None = None,
+                 who: str = "shard") -> None:
         self.layout, self.comm, self.reshard = layout, comm, reshard
+        self.who = who  # the transform, as errors name it
         self.explicit_units, self.verify = explicit_units, verify
         self.host = host  # where ``verify`` exchanges the units each rank ran (`dist.host_group`)
         self.rank = comm.group.rank
@@ -339,9 +342,26 @@ class Units:
         return use
 
     # -- gathering ----------------------------------------------------------------
+    def whole_shards(self) -> bool:
+        """Whether each unit's flat shard is the whole unit, on the compute device (one rank, shards not
+        on the host): then a "gather" would copy it into a buffer of the same size, to be released after
+        the block and refilled for its backward; the block gets views of the shard itself instead (no
+        copy, nothing to release), as the stage 1 step runs on its parameters."""
+        return self.comm.group.size == 1 and not self.host_data
+
+    def runs_on_shards(self) -> bool:
+        """Whether the model runs on the shards themselves (reshaped; in eager autograd): at one rank, where each
+        shard is its whole parameter and its reduction the identity, so autograd hands each its gradient as at
+        stage 1, with no node per unit. (A call whose gradients feed an accumulator per unit as backward makes
+        them, `accumulate`'s or `offload`'s, keeps the unit's node, which feeds it.) A write into them is
+        refused as into a gathered copy (`refuse_writes`)."""
+        return self.sink is None and self.mode == "autograd" and self.whole_shards()
+
     def _prefetch(self, phase: str, index: int, params: dict) -> None:
         # Stage 3 runs blocks in layout order forward and in reverse in backward's recomputes:
         # gather the next one while this one computes.
+        if self.whole_shards():
+            return
         if 0 <= index < len(self.blocks) and (phase, self.blocks[index].name) not in self.prefetched:
             unit = self.blocks[index]
             self.prefetched[(phase, unit.name)] = self.comm.all_gather_async(
@@ -373,6 +393,8 @@ class Units:
     def _gathered(self, unit: UnitLayout, data: torch.Tensor, phase: str, params: dict,
                   recomputed: bool) -> torch.Tensor:
         """Block ``unit``'s full flat buffer (prefetched, or gathered now); prefetch the next block."""
+        if self.whole_shards():
+            return data
         i = self.position[unit.name]
         if phase == "forward" and i > self.issued:
             self._issue_upto(i, params)  # blocks this rank skipped, and this one
@@ -392,6 +414,8 @@ class Units:
         differentiable with respect to ``slices`` (this rank's shards)."""
         if self.mode == "functional":
             return self._composable_views(unit, slices, params, full_flats)
+        if buffer is None and self.runs_on_shards():
+            return unit.reshaped(slices)
         phase = "backward" if in_backward() else "forward"
         if full is None:
             if full_flats is not None:
@@ -400,7 +424,9 @@ class Units:
                 self.backward_begins()
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
             elif unit.name == ROOT:
-                full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
+                full = self._data(unit, slices)
+                if not self.whole_shards():
+                    full = self.comm.all_gather(full, tag=unit.name)
             else:
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
         tensors = tuple(map(slices.__getitem__, unit.keys))
@@ -431,7 +457,9 @@ class Units:
                 if full_flats is None and self.mode == "autograd":
                     if in_backward():
                         self.backward_begins()
-                    full = self.comm.all_gather(self._data(unit, slices), tag=unit.name)
+                    full = self._data(unit, slices)
+                    if not self.whole_shards():
+                        full = self.comm.all_gather(full, tag=unit.name)
                 views = self.views(unit, slices, params, full_flats, recomputed=False, full=full)
                 if not in_backward():
                     made[unit.name] = views
@@ -462,11 +490,13 @@ class Units:
             slices = {mine[n]: t for n, t in block_params.items() if n in mine}
             extra = {n: outside(k) for n, k in foreign.items()} if foreign else {}
             release = (full_flats is None and not recomputed and self.reshard == "release"
-                       and self.mode == "autograd" and torch.is_grad_enabled() and not in_backward())
+                       and self.mode == "autograd" and torch.is_grad_enabled() and not in_backward()
+                       and not self.whole_shards())
             if release:
                 return self._released_body(unit, mine, body, slices, params, args, kwargs, extra)
             views = self.views(unit, slices, params, full_flats, recomputed)
-            return _run_checked(body, {**{n: views[k] for n, k in mine.items()}, **extra}, args, kwargs, views, unit)
+            return _run_checked(body, {**{n: views[k] for n, k in mine.items()}, **extra}, args, kwargs, views, unit,
+                                self.who)
 
         return gathered_body
 
@@ -489,29 +519,44 @@ class Units:
             buffer.keep = True
 
         def run(bp, *a, **kw):
-            return _run_checked(body, bp, a, kw, views, unit, opaque=keep)
+            return _run_checked(body, bp, a, kw, views, unit, self.who, opaque=keep)
 
         return around_block(buffer, run, block_params, args, kwargs, refill_previous_block)
 
 
 def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
-                 unit: UnitLayout, opaque: Callable[[], None] | None = None) -> Any:
+                 unit: UnitLayout, who: str, opaque: Callable[[], None] | None = None) -> Any:
     """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
     copying out any output that is a view of them (it would outlive the buffer); ``opaque()`` is called
     when an output holds an object zfunc cannot look inside (which may hold such a view)."""
     if tracing():  # no version counters or storages to check in a compiled step (nor buffers to release)
         return body(block_params, *args, **kwargs)
-    base = next(iter(views.values()))
-    version = base._version
+    versions = list(map(_version, views.values()))
     out = body(block_params, *args, **kwargs)
-    if base._version != version:
-        raise RuntimeError(
-            f"the forward of block {unit.name!r} wrote into one of its parameters in place (e.g. "
-            "nn.Embedding(max_norm=...) renormalizes its weight), but under shard(stage=2|3) the block runs on "
-            "a gathered copy of its parameters, so the write would never reach the shards and training would "
-            "silently diverge from eager PyTorch. Make the forward pure (renormalize functionally), or make "
-            "this block part of the root unit with shard(..., units=[...]) without it.")
-    return _detach_from(out, base, opaque)
+    refuse_writes(views, versions, who, f"block {unit.name!r}")
+    return _detach_from(out, next(iter(views.values())), opaque)
+
+
+def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: str, where: str) -> None:
+    """Raise if the forward wrote in place into one of ``views`` (the parameters a unit gave the model), whose
+    version counters were ``versions`` before it ran.
+
+    Refused at every world size alike: on more than one rank the model runs on a gathered copy (or the
+    stage 2 buffer's views) that the write never leaves; on one rank the views are the shards themselves, so
+    the write would land there, and the same program would train differently on one GPU and on two.
+    """
+    if list(map(_version, views.values())) == versions:
+        return
+    written = [key for key, v, before in zip(views, views.values(), versions) if v._version != before]
+    raise RuntimeError(
+        f"{who}: the forward wrote in place into {', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
+        f"({where}), e.g. nn.Embedding(max_norm=...) renormalizes the rows it looks up, or a weight is updated "
+        "under torch.no_grad() or through .data inside forward. Under shard(stage=2|3) the model runs on a "
+        "unit's gathered (or shared) buffer, which such a write never leaves: training would silently diverge "
+        "from eager PyTorch, so it is refused on every world size. Make the forward pure (renormalize "
+        "functionally: F.embedding(..., max_norm=None), then scale the looked-up rows), change weights outside "
+        "the model call (e.g. after apply_gradients), or leave the block out of the units (shard(..., "
+        "units=[...])).")
 
 
 # What a block's output may hold that zfunc can see is not a view of its parameters (torch's pytree sees
