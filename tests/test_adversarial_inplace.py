@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import zfunc as zf
-from tests.adversarial import assert_same, clear_error, copies, outcome, single_thread  # noqa: F401 (single_thread: a fixture)
+from tests.adversarial import assert_same, clear_error, copies, outcome, says, single_thread  # noqa: F401 (single_thread: a fixture)
 from tests.models import make_batch
+from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, offload, shard
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -328,3 +329,25 @@ def test_a_model_that_never_reads_data_is_watched_only_in_its_first_forwards():
         assert history.should_watch() == (i < WATCHED_FORWARDS)
         state, _ = stepped(state, BATCHES[0])
     assert history.watched == WATCHED_FORWARDS and not history.seen
+
+
+def refusal_on_a_rank(where: str, stack: str) -> str | None:
+    """What ``stack`` says on this rank when the forward writes ``where`` (None: nothing refused)."""
+    try:
+        zfunc_run(where, REFUSING_STACKS[stack])
+    except RuntimeError as err:
+        return str(err)
+    return None
+
+
+# At one rank shard's stages 2 and 3 run the model on the shards themselves (`Units.runs_on_shards`); at two
+# the model runs on gathered buffers and per-unit nodes: the same writes are refused, with the same words.
+TWO_RANKS = [case for case in REFUSED if case[0].startswith(("shard2", "shard3"))]
+
+
+@outcome("clear")
+@pytest.mark.parametrize("stack,where", TWO_RANKS, ids=[f"{s}-{w}" for s, w in TWO_RANKS])
+def test_a_write_is_refused_alike_on_two_ranks(stack, where):
+    for rank, message in enumerate(run_distributed(refusal_on_a_rank, 2, where, stack)):
+        assert message is not None, f"rank {rank}: {stack} let the write at {where} through"
+        says(message, *REFUSED[(stack, where)])
