@@ -1,6 +1,6 @@
 """Host (Python and dispatcher) time per block of a training step, on the CPU.
 
-    python benchmarks/host_time.py [--stacks floor,s3,s3-checkpoint] [--steps 20] [--profile s3] [--count]
+    python benchmarks/host_time.py [--stacks floor,s3,s3-checkpoint] [--steps 20] [--profile s3] [--count [--world 2]]
 
 A GPT-2-medium-shaped model (transformers' GPT2LMHeadModel: 24 blocks, each with
 GPT-2's twelve parameters) at a tiny width (64, 2 heads, 2 x 32 tokens), so its
@@ -170,6 +170,19 @@ def count_calls(name: str, layers: int) -> list[list[int]]:
     return counts[:3]
 
 
+def count_on_ranks(name: str, layers: int, world: int) -> list[list[int]]:
+    """`count_calls` on rank 0 of ``world`` forked ranks (gloo; the floor and ``world`` 1 in this process).
+
+    At one rank stages 2 and 3 run the blocks on the shards themselves (nothing to gather or reduce); at
+    two, the gather, release and per-unit gradient machinery runs as on more GPUs: its host work is what
+    this counts."""
+    if world == 1 or name == "floor":
+        return count_calls(name, layers)
+    from zfunc.testing import run_distributed
+
+    return run_distributed(count_calls, world, name, layers, timeout=600)[0]
+
+
 def profile(name: str, layers: int, steps: int) -> None:
     """cProfile's view of ``steps`` steps: the top functions, and Python calls per block and step."""
     clock = Clock()
@@ -197,6 +210,8 @@ def main(argv=None) -> None:
     p.add_argument("--stacks", default="floor,s3,s3-checkpoint", help=f"comma-separated, of {', '.join(STACKS)}")
     p.add_argument("--profile", default=None, help="a stack to profile instead of timing")
     p.add_argument("--count", action="store_true", help="count calls per block instead of timing")
+    p.add_argument("--world", type=int, default=1,
+                   help="with --count: ranks (forked, gloo) each stack runs on; rank 0's calls are counted")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.profile:
@@ -212,7 +227,7 @@ def main(argv=None) -> None:
               "torch functions), per phase")
         print("| stack | forward | backward | update |\n|---|---|---|---|")
         for name in names:
-            full, short = count_calls(name, args.layers), count_calls(name, half)
+            full, short = count_on_ranks(name, args.layers, args.world), count_on_ranks(name, half, args.world)
             per = [[(a - b) / (args.layers - half) for a, b in zip(f, h)] for f, h in zip(full, short)]
             print(f"| {name} | " + " | ".join(f"{py:.0f} / {c:.0f}" for py, c in per) + " |", flush=True)
         return
