@@ -548,8 +548,10 @@ def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: str,
     if list(map(_version, views.values())) == versions:
         return
     written = [key for key, v, before in zip(views, views.values(), versions) if v._version != before]
+    # (Views of one gathered buffer share its version counter: then which of them was written is not known.)
+    which = "one of " if len(written) == len(views) > 1 else ""
     raise RuntimeError(
-        f"{who}: the forward wrote in place into {', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
+        f"{who}: the forward wrote in place into {which}{', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
         f"({where}), e.g. nn.Embedding(max_norm=...) renormalizes the rows it looks up, or a weight is updated "
         "under torch.no_grad() or through .data inside forward. Under shard(stage=2|3) the model runs on a "
         "unit's gathered (or shared) buffer, which such a write never leaves: training would silently diverge "
