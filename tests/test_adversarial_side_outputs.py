@@ -24,6 +24,7 @@ from torch import nn
 import zfunc as zf
 from tests.adversarial import assert_same, clear_error, copies, outcome, single_thread  # noqa: F401 (a fixture)
 from tests.models import make_batch
+from zfunc.testing import run_distributed
 from zfunc.transforms import checkpoint, mixed_precision, shard
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -117,6 +118,23 @@ def test_side_outputs_of_recomputed_blocks_get_their_gradients(stack, mode):
     # order: equal to the last bit or two.)
     tolerance = {"rtol": 1e-6, "atol": 1e-9} if mode == "returned" else {}
     assert_same(run(mode, RECOMPUTING[stack]), reference, **tolerance)
+
+
+def run_stack(mode: str, stack: str) -> dict:
+    """`run` of ``RECOMPUTING[stack]`` (on each of the ranks `run_distributed` forks)."""
+    return run(mode, RECOMPUTING[stack])
+
+
+@outcome("right")
+@pytest.mark.parametrize("mode", ["list", "hook", "returned"])
+@pytest.mark.parametrize("stack", [name for name in RECOMPUTING if name.startswith("shard")])
+def test_side_outputs_on_two_ranks(stack, mode):
+    """At one rank shard's stages 2 and 3 run the blocks on the shards themselves; at two they gather, release
+    and refill (or recompute) each block, and reduce its gradients in one node per unit: the same gradients."""
+    reference = run(mode, (lambda s: mixed_precision(s, "bf16")) if "bf16" in stack else (lambda s: s))
+    tolerance = {"rtol": 1e-6, "atol": 1e-9} if mode == "returned" else {}
+    for got in run_distributed(run_stack, 2, mode, stack):
+        assert_same(got, reference, **tolerance)
 
 
 @outcome("right")
