@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import zfunc as zf
-from tests.adversarial import assert_same, clear_error, copies, outcome, single_thread  # noqa: F401 (a fixture)
+from tests.adversarial import assert_same, clear_error, copies, outcome, says, single_thread  # noqa: F401 (a fixture)
 from tests.models import TinyLM, lm_loss, make_batch
+from zfunc.testing import run_distributed
 from zfunc.transforms import accumulate, checkpoint, mixed_precision, shard
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -73,6 +74,36 @@ def test_a_loss_gradients_cannot_reach_is_refused(stack, loss):
     stepped = STACKS[stack](step)
     state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
     clear_error(lambda: stepped(state, make_batch()), "value_and_grad", *words, exc=ValueError)
+
+
+def refusal_on_a_rank(stack: str, loss: str) -> str | None:
+    """What ``stack`` says on this rank to loss ``loss`` (None: nothing refused)."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    apply_fn, params = zf.functional(model)
+    fn, _ = _losses(model, apply_fn)[loss]
+
+    def step(state, batch):
+        value, grads = zf.value_and_grad(fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": value}
+
+    stepped = STACKS[stack](step)
+    state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.sgd(0.1)))
+    try:
+        stepped(state, make_batch())
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@outcome("clear")
+@pytest.mark.parametrize("loss", CASES)
+def test_a_loss_gradients_cannot_reach_is_refused_by_stage_3_on_two_ranks(loss):
+    """(One rank runs stage 3's blocks on the shards themselves; two gather them and reduce per unit.)"""
+    words = _losses(None, None)[loss][1]
+    for rank, message in enumerate(run_distributed(refusal_on_a_rank, 2, "shard3", loss)):
+        assert message is not None, f"rank {rank}: not refused"
+        says(message, "value_and_grad", *words)
 
 
 def _with_a_loss_only_parameter():
