@@ -75,7 +75,8 @@ from zfunc.transforms.shard_layout import (
 from zfunc.transforms.shard_blocks import BlockPlan
 from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same_random_stream, warn_about_root
 from zfunc.transforms.shard_pipelined import StageUnits
-from zfunc.transforms.shard_units import Units, refuse_writes
+from zfunc.transforms.shard_block_checks import refuse_writes
+from zfunc.transforms.shard_units import Units
 from zfunc.tree import tree_map_tensors
 
 
@@ -447,7 +448,7 @@ class shard(Transform):  # noqa: N801
                 # Without gradients the stage 3 root unit is a plain gathered copy: a write into it (an
                 # evaluation forward through nn.Embedding(max_norm=...)) would never reach the shards; the
                 # shards themselves (one rank) are refused the same writes. (Otherwise autograd refuses the
-                # write; blocks are checked as they run, `shard_units.refuse_writes`.)
+                # write; blocks are checked as they run, `shard_block_checks.refuse_writes`.)
                 root_written = (root_views, [t._version for t in root_views.values()])
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)

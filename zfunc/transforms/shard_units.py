@@ -33,26 +33,26 @@ block that `checkpoint` (or ``reshard="recompute"``) recomputes simply
 gathers again in its recompute; any other block is *released* after its
 forward and refilled just before its backward (`zfunc.transforms.reshard`).
 
-Two safety nets: a block's output that is a view of its gathered buffer (a
-block that returns its own bias) is copied out before the buffer is released;
-and a forward that writes into a gathered parameter in place is refused (the
-write would never reach the shards).
+At one rank a shard is its whole parameter: the model runs on the shards
+themselves (`Units.runs_on_shards`), with nothing gathered, released or
+reduced. Around each block, at every world size, the checks of
+`zfunc.transforms.shard_block_checks`: a forward that writes into its
+parameters in place is refused, an output that is a view of them is copied out.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Literal
+from typing import Callable, Literal
 
 import torch
-import torch.utils._pytree as torch_pytree
-from torch.distributed.tensor import DTensor
 
 from zfunc import dist
 from zfunc.autodiff import apply_function, under_torch_func_or_compile
 from zfunc.compiled import tracing
 from zfunc.interpret import current
 from zfunc.transforms.reshard import ReleasedBuffer, around_block
+from zfunc.transforms.shard_block_checks import run_checked
 from zfunc.transforms.shard_blocks import BlockUnit
 from zfunc.transforms.shard_compiled import unit_views
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
@@ -142,7 +142,6 @@ _flatten = torch._C._nn.flatten_dense_tensors
 
 
 _requires_grad = operator.attrgetter("requires_grad")
-_version = operator.attrgetter("_version")
 
 
 class Units:
@@ -354,7 +353,7 @@ class Units:
         shard is its whole parameter and its reduction the identity, so autograd hands each its gradient as at
         stage 1, with no node per unit. (A call whose gradients feed an accumulator per unit as backward makes
         them, `accumulate`'s or `offload`'s, keeps the unit's node, which feeds it.) A write into them is
-        refused as into a gathered copy (`refuse_writes`)."""
+        refused as into a gathered copy (`shard_block_checks.refuse_writes`)."""
         return self.sink is None and self.mode == "autograd" and self.whole_shards()
 
     def _prefetch(self, phase: str, index: int, params: dict) -> None:
@@ -495,8 +494,8 @@ class Units:
             if release:
                 return self._released_body(unit, mine, body, slices, params, args, kwargs, extra)
             views = self.views(unit, slices, params, full_flats, recomputed)
-            return _run_checked(body, {**{n: views[k] for n, k in mine.items()}, **extra}, args, kwargs, views, unit,
-                                self.who)
+            return run_checked(body, {**{n: views[k] for n, k in mine.items()}, **extra}, args, kwargs, views,
+                               unit.name, self.who)
 
         return gathered_body
 
@@ -519,66 +518,6 @@ class Units:
             buffer.keep = True
 
         def run(bp, *a, **kw):
-            return _run_checked(body, bp, a, kw, views, unit, self.who, opaque=keep)
+            return run_checked(body, bp, a, kw, views, unit.name, self.who, opaque=keep)
 
         return around_block(buffer, run, block_params, args, kwargs, refill_previous_block)
-
-
-def _run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
-                 unit: UnitLayout, who: str, opaque: Callable[[], None] | None = None) -> Any:
-    """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
-    copying out any output that is a view of them (it would outlive the buffer); ``opaque()`` is called
-    when an output holds an object zfunc cannot look inside (which may hold such a view)."""
-    if tracing():  # no version counters or storages to check in a compiled step (nor buffers to release)
-        return body(block_params, *args, **kwargs)
-    versions = list(map(_version, views.values()))
-    out = body(block_params, *args, **kwargs)
-    refuse_writes(views, versions, who, f"block {unit.name!r}")
-    return _detach_from(out, next(iter(views.values())), opaque)
-
-
-def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: str, where: str) -> None:
-    """Raise if the forward wrote in place into one of ``views`` (the parameters a unit gave the model), whose
-    version counters were ``versions`` before it ran.
-
-    Refused at every world size alike: on more than one rank the model runs on a gathered copy (or the
-    stage 2 buffer's views) that the write never leaves; on one rank the views are the shards themselves, so
-    the write would land there, and the same program would train differently on one GPU and on two.
-    """
-    if list(map(_version, views.values())) == versions:
-        return
-    written = [key for key, v, before in zip(views, views.values(), versions) if v._version != before]
-    # (Views of one gathered buffer share its version counter: then which of them was written is not known.)
-    which = "one of " if len(written) == len(views) > 1 else ""
-    raise RuntimeError(
-        f"{who}: the forward wrote in place into {which}{', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
-        f"({where}), e.g. nn.Embedding(max_norm=...) renormalizes the rows it looks up, or a weight is updated "
-        "under torch.no_grad() or through .data inside forward. Under shard(stage=2|3) the model runs on a "
-        "unit's gathered (or shared) buffer, which such a write never leaves: training would silently diverge "
-        "from eager PyTorch, so it is refused on every world size. Make the forward pure (renormalize "
-        "functionally: F.embedding(..., max_norm=None), then scale the looked-up rows), change weights outside "
-        "the model call (e.g. after apply_gradients), or leave the block out of the units (shard(..., "
-        "units=[...])).")
-
-
-# What a block's output may hold that zfunc can see is not a view of its parameters (torch's pytree sees
-# into tuples, dicts, dataclass-like model outputs); any other leaf is opaque.
-_KNOWN_LEAVES = (torch.Tensor, bool, int, float, complex, str, type(None))
-
-
-def _detach_from(out: Any, base: torch.Tensor, opaque: Callable[[], None] | None = None) -> Any:
-    """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy;
-    ``opaque()`` called if a leaf of ``out`` is not one of `_KNOWN_LEAVES`."""
-    leaves, spec = torch_pytree.tree_flatten(out)
-    ptr = base.untyped_storage().data_ptr()
-    changed = False
-    for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor):
-            if opaque is not None and not isinstance(x, _KNOWN_LEAVES):
-                opaque()
-            continue
-        # (A DTensor, e.g. tensor_parallel's sequence-split activations, holds its data in its local tensor.)
-        local = x._local_tensor if isinstance(x, DTensor) else x
-        if x.numel() and local.untyped_storage().data_ptr() == ptr:
-            leaves[i], changed = x.clone(), True
-    return torch_pytree.tree_unflatten(leaves, spec) if changed else out
