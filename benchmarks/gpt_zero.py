@@ -10,7 +10,11 @@ after the timed steps must agree. Reports median step time and spread,
 tokens/s (all ranks), peak allocated/reserved memory per GPU, and per-phase
 times (forward, backward, optimizer+gather) on the GPU and on the host
 (`PhaseClock`; zfunc's phases come from a small observing transform), which
-say whether a phase waits for the device or for Python. After the warm-up
+say whether a phase waits for the device or for Python. Each timed step is
+synchronized before and after; then as many steps run back to back (``b2b``,
+one synchronization at the end, as a training loop runs them: a step's host
+work overlaps the previous step's GPU work). Batches come from page-locked
+memory without a wait (a DataLoader's ``pin_memory=True``). After the warm-up
 steps every contender's long-lived objects are frozen out of the garbage
 collector (``gc.freeze``), so a rare full collection does not land in one
 contender's timed steps and not another's. ``--nproc-per-node 1``
@@ -75,8 +79,13 @@ def make_model(args):
 
 
 def batch(args, i, device):
+    """Step ``i``'s tokens on ``device``, copied from page-locked memory without waiting (as a DataLoader with
+    ``pin_memory=True`` hands them): a pageable copy would make the host wait for the GPU every step."""
     g = torch.Generator().manual_seed(1000 * i + dist.get_rank())
-    return torch.randint(0, 50257, (args.micro_batch, args.seq), generator=g).to(device)
+    tokens = torch.randint(0, 50257, (args.micro_batch, args.seq), generator=g)
+    if device.type == "cuda":
+        return tokens.pin_memory().to(device, non_blocking=True)
+    return tokens.to(device)
 
 
 def lm_loss(logits, tokens):
@@ -336,6 +345,19 @@ def time_steps(args, one, clock: PhaseClock | None = None):
             # every 60 steps) scans only what the steps themselves allocate, not the whole process.
             gc.collect()
             gc.freeze()
+    # Back to back: the same number of steps with no synchronization between them, as a training loop runs
+    # them: a step's host work overlaps the GPU work of the step before, so where a phase's host time is
+    # below its GPU time the step takes its GPU time. (The timed steps above synchronize before and after
+    # each step, so their host and GPU time never overlap across steps.)
+    peak_alloc, peak_reserved = max_allocated(), (torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0)
+    sync()
+    start = time.perf_counter()
+    for i in range(args.warmup + args.steps, args.warmup + 2 * args.steps):
+        loss = one(i)
+    sync()
+    back_to_back = (time.perf_counter() - start) / args.steps
+    if clock is not None:
+        clock.marks = []
     gc.unfreeze()
     timed = times[args.warmup:]
     loss = loss.float()
@@ -343,10 +365,10 @@ def time_steps(args, one, clock: PhaseClock | None = None):
     world = dist.get_world_size()
     median = statistics.median(timed)
     compile_s = max(0.0, times[0] - median)  # the first step's extra time: compiling, for compiled ones
-    return {"median_ms": 1e3 * median, "compile_s": compile_s, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
+    return {"median_ms": 1e3 * median, "back_to_back_ms": 1e3 * back_to_back, "compile_s": compile_s, "min_ms": 1e3 * min(timed), "max_ms": 1e3 * max(timed),
             "tokens_per_s": world * args.micro_batch * args.seq / median,
-            "peak_alloc_gib": (max_allocated() - baseline) / 2**30,
-            "peak_reserved_gib": (torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0) / 2**30,
+            "peak_alloc_gib": (peak_alloc - baseline) / 2**30,  # (of the synchronized steps, as before)
+            "peak_reserved_gib": peak_reserved / 2**30,
             "allocated_before_gib": baseline / 2**30,
             "loss": float(loss) / world,
             **(clock.summary(args.warmup) if clock is not None else {})}
@@ -473,7 +495,8 @@ def main():
             results[name] = r
             ph, hs = r.get("phases_ms"), r.get("host_ms")
             log(f"{name:18s} {r['median_ms']:8.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
-                f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
+                + (f"b2b {r['back_to_back_ms']:.1f} ms " if "back_to_back_ms" in r else "")
+                + f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
                 + (f"  compile {r['compile_s']:.1f} s" if name.endswith(("compiled", "-blocks")) else "")
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
