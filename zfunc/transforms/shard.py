@@ -460,7 +460,9 @@ class shard(Transform):  # noqa: N801
                                         outside)
 
             model_call.wrap_block(block.name, wrapper, kind="materialize")
-            if recomputed or (units.mode == "functional" and self.stage == 3):
+            # (Under torch.func stage 3 recomputes its blocks rather than keep them gathered; at one rank the blocks
+            # run on the shards themselves, where there is nothing to free.)
+            if recomputed or (units.mode == "functional" and self.stage == 3 and not units.runs_on_shards()):
                 refuse_running_statistics(model_call.structure.submodules_of_type(block.name, _NormBase),
                                           repr(self), "use reshard='release'" if recomputed else
                                           "differentiate with zf.value_and_grad rather than under torch.func")

@@ -349,12 +349,13 @@ class Units:
         return self.comm.group.size == 1 and not self.host_data
 
     def runs_on_shards(self) -> bool:
-        """Whether the model runs on the shards themselves (reshaped; in eager autograd): at one rank, where each
-        shard is its whole parameter and its reduction the identity, so autograd hands each its gradient as at
-        stage 1, with no node per unit. (A call whose gradients feed an accumulator per unit as backward makes
-        them, `accumulate`'s or `offload`'s, keeps the unit's node, which feeds it.) A write into them is
-        refused as into a gathered copy (`shard_block_checks.refuse_writes`)."""
-        return self.sink is None and self.mode == "autograd" and self.whole_shards()
+        """Whether the model runs on the shards themselves (reshaped): at one rank, where each shard is its whole
+        parameter and its reduction the identity, so autograd (or torch.func, or a compiled step) hands each its
+        gradient as at stage 1, with no node or collective per unit. (A call whose gradients feed an
+        accumulator per unit as backward makes them, `accumulate`'s or `offload`'s, keeps the unit's node,
+        which feeds it.) A write into them is refused as into a gathered copy
+        (`shard_block_checks.refuse_writes`)."""
+        return self.sink is None and self.whole_shards()
 
     def _prefetch(self, phase: str, index: int, params: dict) -> None:
         # Stage 3 runs blocks in layout order forward and in reverse in backward's recomputes:
@@ -411,10 +412,10 @@ class Units:
               recomputed: bool, buffer: ReleasedBuffer | None = None, full: torch.Tensor | None = None) -> dict:
         """What the model sees of ``unit`` this time: views of its full buffer keyed by param,
         differentiable with respect to ``slices`` (this rank's shards)."""
-        if self.mode == "functional":
-            return self._composable_views(unit, slices, params, full_flats)
         if buffer is None and self.runs_on_shards():
             return unit.reshaped(slices)
+        if self.mode == "functional":
+            return self._composable_views(unit, slices, params, full_flats)
         phase = "backward" if in_backward() else "forward"
         if full is None:
             if full_flats is not None:
