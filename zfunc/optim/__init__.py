@@ -27,7 +27,6 @@ from zfunc.optim.schedules import (
     warmup_cosine_ratio,
     warmup_decay,
 )
-from zfunc.optim.update_graph import cuda_graphed
 from zfunc.optim.transforms import (
     ScaleByAdamState,
     ScaleByLearningRateState,
@@ -42,6 +41,7 @@ from zfunc.optim.transforms import (
     scale_by_trust_ratio,
     trace,
 )
+from zfunc.optim.update_graph import cuda_graphed
 
 __all__ = [
     "EmptyState",
