@@ -81,8 +81,21 @@ def cuda_graphed(tx: GradientTransformation) -> GradientTransformation:
     """``tx``, whose fused update (where all of its state is on one GPU, in one launch) runs as the replay of a
     CUDA graph captured once per state layout (module docstring: what it reads, when it is captured again, and
     that the counts and the rate are then updated in place). The same numbers as ``tx``'s eager fused update,
-    bit for bit. Elsewhere (state on the host, several GPUs' worth of layouts changing every step, no CUDA)
+    bit for bit. Elsewhere (state on the host or the general path, a layout that changes every step, no CUDA)
     ``tx`` runs as it would.
+
+    Opt-in, not automatic, for two reasons: it changes one observable thing (the counts and the rate
+    become buffers updated in place, like the parameters), and what it saves is host time only (about a
+    dozen small launches and the Triton launch per step, each some microseconds of Python and driver
+    work), which pays where the update phase is launch-bound: its host time at or above its GPU time
+    (``benchmarks/update_host_time.py --device cuda`` measures both, with and without). It never costs GPU
+    time: the replay runs the same kernels.
+
+    Usage::
+
+        tx = zf.optim.cuda_graphed(zf.optim.chain(zf.optim.clip_by_global_norm(1.0), zf.optim.adamw(3e-4)))
+        step = shard(mixed_precision(train_step, "bf16"), stage=1)
+        state = step.init(zf.TrainState.create(params, tx))
 
     Raises:
       ValueError: ``tx`` has no fused form (only adam/adamw, alone or after ``clip_by_global_norm``, have one).
