@@ -14,6 +14,7 @@ On a GPU (the tests marked ``cuda``, skipped here) the capture is CUDA's, replay
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 
@@ -79,10 +80,12 @@ def graphs(device_path, monkeypatch):  # noqa: F811 (the fixture)
 def steps(tx, n, grad_dtype=torch.bfloat16, out_dtype=torch.bfloat16, skip_at=(), device="cpu", state=None,
           each=None):
     """``n`` fused updates, fresh gradients each (new buffers: other addresses every step); the last result and
-    the rates of each step. ``skip_at``: the steps skipped (None: no skip flag at all); ``each(t, params,
-    opt_state)`` may change the state between steps."""
-    params, opt_state, _ = state if state is not None else make_state(tx, device)
-    into = views({}, dtype=out_dtype, fill=0.0, device=device) if out_dtype is not None else None
+    the rates of each step. ``state``: ``(params, opt_state, compute copy or None)`` to go on from;
+    ``skip_at``: the steps skipped (None: no skip flag at all); ``each(t, params, opt_state)`` may change the
+    state between steps."""
+    params, opt_state, into = state if state is not None else (*make_state(tx, device)[:2], None)
+    if into is None and out_dtype is not None:
+        into = views({}, dtype=out_dtype, fill=0.0, device=device)
     rates, copy = [], None
     for t in range(n):
         if each is not None:
@@ -182,8 +185,8 @@ def test_a_changed_key_drops_the_graph_and_captures_again(graphs):
     eagerly, the next captures again; never a replay of the old graph (`FakeCapture` checks), all of it the
     eager route's numbers."""
     def run(tx):
-        params, opt_state, _, rates = steps(tx, 4, skip_at=None)
-        params, opt_state, copy, more = steps(tx, 4, skip_at=(1,), state=(params, opt_state, None))
+        params, opt_state, copy, rates = steps(tx, 4, skip_at=None)
+        params, opt_state, copy, more = steps(tx, 4, skip_at=(1,), state=(params, opt_state, copy))
         return params, opt_state, copy, rates + more
 
     tx = zf.optim.cuda_graphed(optimizer("adamw", True))
@@ -191,6 +194,25 @@ def test_a_changed_key_drops_the_graph_and_captures_again(graphs):
     # 0 eager, 1 capture, 2-3 replays | 4 eager (a skip flag now), 5 capture, 6-7 replays
     assert graphs["captures"] == 2 and graphs["replays"] == 4
     assert_same(got, run(optimizer("adamw", True)), tx.fused)
+
+
+@quiet
+def test_replayed_steps_read_nothing_on_the_host(graphs, monkeypatch):
+    """No value goes from the device to the host in a replayed step (tests/test_host_reads.py's recorder; the
+    kernel launch stubbed: Triton's interpreter reads its tensors on the host, a GPU does not)."""
+    import types
+
+    from tests.test_host_reads import HostReads
+    from zfunc.kernels import triton_kernels
+
+    launches = []
+    stub = types.SimpleNamespace(adam_multi_kernel=collections.defaultdict(lambda: lambda *a, **k: launches.append(1)))
+    monkeypatch.setattr(triton_kernels, "kernels", lambda interpret: stub)
+    tx = zf.optim.cuda_graphed(optimizer("adamw", True))
+    state = steps(tx, 2, skip_at=(1,))[:3]
+    with HostReads() as reads:
+        steps(tx, 3, skip_at=(1,), state=state)
+    assert graphs["replays"] == 3 and launches and not reads.reads, dict(reads.reads)
 
 
 @quiet

@@ -88,8 +88,8 @@ def cuda_graphed(tx: GradientTransformation) -> GradientTransformation:
     become buffers updated in place, like the parameters), and what it saves is host time only (about a
     dozen small launches and the Triton launch per step, each some microseconds of Python and driver
     work), which pays where the update phase is launch-bound: its host time at or above its GPU time
-    (``benchmarks/update_host_time.py --device cuda`` measures both, with and without). It never costs GPU
-    time: the replay runs the same kernels.
+    (``benchmarks/update_host_time.py --device cuda`` measures both, with and without). Its GPU work is the
+    eager route's (the same kernels, replayed) plus a copy of the skip flag, and of the norm where it clips.
 
     Usage::
 
