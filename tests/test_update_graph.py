@@ -177,6 +177,15 @@ def test_a_users_schedule_runs_on_the_host_at_the_count_the_device_has(graphs):
     want = steps(zf.optim.adamw(host_schedule([]), weight_decay=0.1), 6, skip_at=(2, 3))
     assert_same(got, want, tx.fused)
     assert len(calls) >= 6
+    # one marked as tensor operations only is captured instead: the same numbers
+    def decay(count):
+        return (1e-2 * 0.9 ** count.to(torch.float64)).to(torch.float32)
+
+    graphs["replays"] = 0
+    tx = zf.optim.cuda_graphed(zf.optim.adamw(zf.optim.schedules.tensor_ops_only(decay), weight_decay=0.1))
+    got = steps(tx, 6, skip_at=(2, 3))
+    assert not tx.fused.tables[update_graph._GRAPH].graph.host_rates and graphs["replays"] == 4
+    assert_same(got, steps(zf.optim.adamw(decay, weight_decay=0.1), 6, skip_at=(2, 3)), tx.fused)
 
 
 @quiet

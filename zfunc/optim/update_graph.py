@@ -42,7 +42,8 @@ on a side stream: this step's update) and captures it; later steps replay it.
 A capture that fails warns and leaves that plan on the eager route.
 
 A learning-rate schedule of zfunc's (`zfunc.optim.schedules`, tensor operations
-only) is captured. A user's Python callable may read the count on the host
+only), or a user's marked `zfunc.optim.schedules.tensor_ops_only`, is captured.
+Any other user's Python callable may read the count on the host
 (``float(count)``), which no capture can hold, so it is evaluated on the host,
 on a CPU int64 0-d count, and its rate copied into the graph's rate input before
 the replay: from a pinned buffer, without waiting. The count it is given is
