@@ -285,6 +285,7 @@ def test_cuda_graphed_takes_optimizers_with_a_fused_form_only():
 def _shard_run(stage: int, policy: str, graphed: bool, device: str = "cpu", steps: int = 6):
     from tests.models import TinyLM, lm_loss, make_batch
     from tests.shard_cases import optimizer as shard_optimizer
+    from tests.shard_cases import rank_and_world
     from zfunc.transforms import mixed_precision, shard
 
     torch.manual_seed(0)
@@ -302,8 +303,9 @@ def _shard_run(stage: int, policy: str, graphed: bool, device: str = "cpu", step
     knobs = {"initial_scale_power": 15, "hysteresis": 1} if policy == "fp16" else {}
     step = shard(mixed_precision(train_step, policy, **knobs), stage=stage)
     state = step.init(state)
+    rank, world = rank_and_world()
     for i in range(steps):
-        state, _ = step(state, {k: v.to(device) for k, v in make_batch(8, seed=i).items()})
+        state, _ = step(state, {k: v.chunk(world)[rank].to(device) for k, v in make_batch(8, seed=i).items()})
     mp = state.extras["mixed_precision"]
     spec = state.tx.fused
     return {"params": {k: v.clone() for k, v in state.params.items()},
@@ -330,6 +332,20 @@ def test_shard_through_the_graph_is_shard_without(graphs, stage, policy):
     got = _shard_run(stage, policy, True)
     assert graphs["captures"] == 1 and graphs["replays"] >= 3
     _assert_shard_same(got, _shard_run(stage, policy, False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="drives the GPU path on CPU tensors; the CUDA test covers it")
+@quiet
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, policy", [(1, "bf16"), (3, "fp16")])
+def test_shard_at_world_2_through_the_graph_is_shard_without(graphs, stage, policy):
+    """Each rank its own graph; the clip norm (a collective) outside them, once per step on every rank."""
+    from zfunc.testing import run_distributed
+
+    got = run_distributed(_shard_run, 2, stage, policy, True)
+    want = run_distributed(_shard_run, 2, stage, policy, False)
+    for g, w in zip(got, want):
+        _assert_shard_same(g, w)
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA
