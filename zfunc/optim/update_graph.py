@@ -24,6 +24,12 @@ capture did):
   is not captured, since under `shard` it is a collective that zfunc's communicator
   orders on the host).
 
+The kernel needs no variant for this: `zfunc.kernels.gpu_adam.adam_runs_` reads
+the rate, the step, the clip divisor and the skip flag from device memory
+(pointers, not launch arguments), and only the betas and eps, fixed per
+optimizer, as numbers. A replay launches the kernel the eager route launches,
+with the same values: the same bits.
+
 So the optimizer state a replayed step returns holds the graph's count and rate
 buffers, and the next step, given that state, copies nothing in: like the
 parameters and moments, **the counts and the rate are updated in place**; a
@@ -54,6 +60,10 @@ step's forward and backward queued since), and only then writes the pinned rate
 buffer, whose last copy to the device was queued before that update, so has run.
 (A callable of tensor operations gives the same numbers on the host as on the
 GPU, up to the last bit of a transcendental function where CPU and CUDA differ.)
+
+The host waits for the GPU only at a capture (`torch.cuda.graph` synchronizes
+the device first) and, with a user's schedule, where the count must be read from
+a state the graph did not make (its first step, a restored state).
 
 Capture rules kept: every buffer the graph reads is allocated before the capture
 (the temporaries of the captured body come from the graph's private pool and are
@@ -104,8 +114,7 @@ def cuda_graphed(tx: GradientTransformation) -> GradientTransformation:
     if not isinstance(tx, GradientTransformation) or tx.fused is None:
         raise ValueError("cuda_graphed takes an optimizer with a fused form: zf.optim.adam or zf.optim.adamw, "
                          "alone or chained after zf.optim.clip_by_global_norm; others have no kernel to capture")
-    return GradientTransformation(tx.init, tx.update, tx.hyperparams,
-                                  dataclasses.replace(tx.fused, graph=True, tables={}))
+    return tx._replace(fused=dataclasses.replace(tx.fused, graph=True, tables={}))
 
 
 # ---------------------------------------------------------------------------
