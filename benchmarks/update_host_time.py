@@ -10,7 +10,9 @@ The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at wi
 ``apply_gradients``, the fused update, stage 1/2's gather of the new parameters). ``floor`` is torch's
 ``AdamW(fused=True)`` (on the fp32 master, then the bf16 copy); ``sNg`` is stage N with the optimizer in
 `zf.optim.cuda_graphed`: the fused update captured once in a CUDA graph and replayed (the warm-up steps
-capture it; the timed steps are replays).
+capture it; the timed steps are replays). Columns: the phase's host and GPU time, the host time inside
+`zfunc.optim.fused.fused_update` alone (the part the graph replaces: the plan's per-key check stays),
+Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails).
 
 On the CPU (the default) the update takes the path it takes on a GPU (`zfunc.optim.fused.on_host`
 patched), with every Triton launch replaced by a stub that only counts it (and a graph's replay by one that
@@ -49,6 +51,7 @@ from gpt_zero import make_model as make_gpt2
 from host_time import BATCH, SEQ, VOCAB, make_model
 
 import zfunc as zf
+from zfunc import state as zf_state
 from zfunc.optim import update_graph
 from zfunc.transforms import mixed_precision, shard
 
@@ -104,6 +107,21 @@ class StubCapture:
 
 # Graph replays, counted over the timed steps (every one of a ``sNg`` stack's must be one).
 REPLAYS = [0]
+# Host seconds inside `zfunc.optim.fused.fused_update` (the part of the phase the graph replaces), per call.
+FUSED_HOST: list[float] = []
+_fused_update = zf_state.fused_update
+
+
+def _timed_fused_update(*args, **kwargs):
+    clock = time.perf_counter if torch.cuda.is_available() else time.thread_time
+    t = clock()
+    try:
+        return _fused_update(*args, **kwargs)
+    finally:
+        FUSED_HOST.append(clock() - t)
+
+
+zf_state.fused_update = _timed_fused_update
 _replay = update_graph.UpdateGraph.replay
 
 
@@ -192,10 +210,12 @@ def measure(name: str, device: torch.device, steps: int, launches: Launches, pro
     phase.host.clear()
     phase.events.clear()
     before, replayed = launches.count, REPLAYS[0]
+    FUSED_HOST.clear()
     pr = phase.profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         one(tokens)
-    out = {"launches": (launches.count - before) / steps, "replays": (REPLAYS[0] - replayed) / steps}
+    out = {"launches": (launches.count - before) / steps, "replays": (REPLAYS[0] - replayed) / steps,
+           "fused_ms": 1e3 * statistics.median(FUSED_HOST) if FUSED_HOST else None}
     if device.type == "cuda":
         torch.cuda.synchronize()
         out["host_ms"] = 1e3 * statistics.median(phase.host)
@@ -230,13 +250,15 @@ def main(argv=None) -> None:
     model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
     print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
           f"{args.steps} steps")
-    print("| stack | host ms | GPU ms | Triton launches | graph replays |\n|---|---|---|---|---|")
+    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays |\n"
+          "|---|---|---|---|---|---|")
     failed = []
     for name in names:
         r = measure(name, device, args.steps, launches, medium=args.medium)
         gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
         count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
-        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {count} | {r['replays']:.2f} |", flush=True)
+        fused_ms = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
+        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} |", flush=True)
         if name.endswith("g") and r["replays"] != 1:  # (the graph route must have replayed at every timed step)
             failed.append(f"{name}: the update was replayed at {r['replays']:.2f} of the timed steps, not at every one")
     if failed:
