@@ -1,17 +1,23 @@
 """Host time of the optimizer phase of shard's stacks, through the GPU update path.
 
-    python benchmarks/update_host_time.py [--stacks floor,s1,s2,s3] [--steps 30] [--profile s3]
+    python benchmarks/update_host_time.py [--stacks floor,s1,s1g,s2,s2g,s3,s3g] [--steps 30] [--profile s3]
     python benchmarks/update_host_time.py --device cuda        # on a GPU: real launches, GPU time too
     python benchmarks/update_host_time.py --device cuda --medium   # GPT-2 medium's real widths (355M)
 
 The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at width 64), in
 ``shard(mixed_precision(step, "bf16"), stage=N)`` at world 1; the phase timed is the update: from
 ``value_and_grad``'s return to the end of the step (`mixed_precision`'s and `shard`'s
-``apply_gradients``, the fused update, stage 1/2's gather of the new parameters).
+``apply_gradients``, the fused update, stage 1/2's gather of the new parameters). ``floor`` is torch's
+``AdamW(fused=True)`` (on the fp32 master, then the bf16 copy); ``sNg`` is stage N with the optimizer in
+`zf.optim.cuda_graphed`: the fused update captured once in a CUDA graph and replayed (the warm-up steps
+capture it; the timed steps are replays). Columns: the phase's host and GPU time, the host time inside
+`zfunc.optim.fused.fused_update` alone (the part the graph replaces: the plan's per-key check stays),
+Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails).
 
 On the CPU (the default) the update takes the path it takes on a GPU (`zfunc.optim.fused.on_host`
-patched), with every Triton launch replaced by a stub that only counts it: what is timed is the
-Python and dispatcher work around the launches, which on a GPU must hide under the kernels. The time
+patched), with every Triton launch replaced by a stub that only counts it (and a graph's replay by one that
+counts one launch): what is timed is the Python and dispatcher work around the launches, which on
+a GPU must hide under the kernels. The time
 is this thread's CPU time (other processes taking the cores do not count), the least over
 ``--steps`` steps. Triton's own launch cost (~10-20 us per launch on an H100/H200 host) comes on top,
 once per launch counted.
@@ -45,9 +51,11 @@ from gpt_zero import make_model as make_gpt2
 from host_time import BATCH, SEQ, VOCAB, make_model
 
 import zfunc as zf
+from zfunc import state as zf_state
+from zfunc.optim import update_graph
 from zfunc.transforms import mixed_precision, shard
 
-STACKS = ("floor", "s1", "s2", "s3")
+STACKS = ("floor", "s1", "s1g", "s2", "s2g", "s3", "s3g")
 
 
 class Launches:
@@ -72,6 +80,57 @@ def stub_device_path(launches: Launches) -> None:
     fused.device_backend = lambda device: "triton"
     triton_kernels.kernels = lambda interpret: types.SimpleNamespace(
         **{name: launches for name in ("adam_kernel", "adam_multi_kernel")})
+    update_graph.capture_for = lambda device: StubCapture(device, launches)
+
+
+class StubCapture:
+    """`zfunc.optim.update_graph.CudaCapture` on the CPU: the warm-up runs the body (its launches stubbed),
+    a replay counts one launch and runs nothing."""
+
+    def __init__(self, device, launches: Launches) -> None:
+        self.device, self.launches = device, launches
+
+    def warm_up(self, body) -> None:
+        body()
+
+    def capture(self, body):
+        return lambda: self.launches[None]()
+
+    @staticmethod
+    def host_buffer(like):
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    @staticmethod
+    def event():
+        return types.SimpleNamespace(record=lambda: None, synchronize=lambda: None)
+
+
+# Graph replays, counted over the timed steps (every one of a ``sNg`` stack's must be one).
+REPLAYS = [0]
+# Host seconds inside `zfunc.optim.fused.fused_update` (the part of the phase the graph replaces), per call.
+FUSED_HOST: list[float] = []
+_fused_update = zf_state.fused_update
+
+
+def _timed_fused_update(*args, **kwargs):
+    clock = time.perf_counter if torch.cuda.is_available() else time.thread_time
+    t = clock()
+    try:
+        return _fused_update(*args, **kwargs)
+    finally:
+        FUSED_HOST.append(clock() - t)
+
+
+zf_state.fused_update = _timed_fused_update
+_replay = update_graph.UpdateGraph.replay
+
+
+def _counted_replay(self) -> None:
+    REPLAYS[0] += 1
+    _replay(self)
+
+
+update_graph.UpdateGraph.replay = _counted_replay
 
 
 class Phase:
@@ -131,7 +190,8 @@ def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
         return state.apply_gradients(grads), {"loss": loss}
 
     step = shard(mixed_precision(train_step, "bf16"), stage=int(name[1]))
-    box = [step.init(zf.TrainState.create(params, zf.optim.adamw(1e-4, weight_decay=0.1)))]
+    tx = zf.optim.adamw(1e-4, weight_decay=0.1)
+    box = [step.init(zf.TrainState.create(params, zf.optim.cuda_graphed(tx) if name.endswith("g") else tx))]
 
     def one(tokens):
         box[0], _ = step(box[0], tokens)
@@ -149,11 +209,13 @@ def measure(name: str, device: torch.device, steps: int, launches: Launches, pro
         one(tokens)
     phase.host.clear()
     phase.events.clear()
-    before = launches.count
+    before, replayed = launches.count, REPLAYS[0]
+    FUSED_HOST.clear()
     pr = phase.profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         one(tokens)
-    out = {"launches": (launches.count - before) / steps}
+    out = {"launches": (launches.count - before) / steps, "replays": (REPLAYS[0] - replayed) / steps,
+           "fused_ms": 1e3 * statistics.median(FUSED_HOST) if FUSED_HOST else None}
     if device.type == "cuda":
         torch.cuda.synchronize()
         out["host_ms"] = 1e3 * statistics.median(phase.host)
@@ -169,7 +231,7 @@ def measure(name: str, device: torch.device, steps: int, launches: Launches, pro
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--stacks", default="floor,s1,s2,s3", help=f"comma-separated, of {', '.join(STACKS)}")
+    p.add_argument("--stacks", default=",".join(STACKS), help=f"comma-separated, of {', '.join(STACKS)}")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--device", default="cpu")
     p.add_argument("--profile", default=None, help="a stack to cProfile over the timed steps")
@@ -188,12 +250,19 @@ def main(argv=None) -> None:
     model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
     print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
           f"{args.steps} steps")
-    print("| stack | host ms | GPU ms | Triton launches |\n|---|---|---|---|")
+    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays |\n"
+          "|---|---|---|---|---|---|")
+    failed = []
     for name in names:
         r = measure(name, device, args.steps, launches, medium=args.medium)
         gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
         count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
-        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {count} |", flush=True)
+        fused_ms = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
+        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} |", flush=True)
+        if name.endswith("g") and r["replays"] != 1:  # (the graph route must have replayed at every timed step)
+            failed.append(f"{name}: the update was replayed at {r['replays']:.2f} of the timed steps, not at every one")
+    if failed:
+        raise SystemExit("FAIL " + "; ".join(failed))
 
 
 if __name__ == "__main__":

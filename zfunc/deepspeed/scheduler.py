@@ -31,7 +31,7 @@ import torch
 from zfunc import optim
 from zfunc.deepspeed.optimizer import OptimizerSpec
 from zfunc.deepspeed.report import DeepSpeedConfigError, Section
-from zfunc.optim.schedules import Schedule
+from zfunc.optim.schedules import Schedule, tensor_ops_only
 
 _OTHER_SCHEDULERS = "build the schedule with zf.optim (constant, warmup, warmup_cosine, one_cycle, ...)"
 
@@ -53,7 +53,7 @@ def deepspeed_timing(get_lr: Schedule, first_lr: float) -> Schedule:
         previous = get_lr((count - 1).clamp(min=0))
         return torch.where(count == 0, torch.full_like(previous, first_lr), previous)
 
-    return schedule
+    return tensor_ops_only(schedule)  # (a CUDA graph may capture it: `zfunc.optim.update_graph`)
 
 
 def read_scheduler(section: Section, optimizer: OptimizerSpec | None,

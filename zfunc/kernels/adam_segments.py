@@ -271,15 +271,28 @@ class AdamRuns:
                    _to_device(torch.tensor([list(b) for b in bases], dtype=torch.int64).reshape(-1, 4), device),
                    tuple(int(n) for n in lengths), out_dtype, chunk)
 
+    @property
+    def grad_ptrs(self) -> list[int]:
+        """The gradients' addresses set last (`set_grads`)."""
+        if self._grad_ptrs is None:
+            raise ValueError("no gradient addresses set: call set_grads first")
+        return self._grad_ptrs
+
     def set_grads(self, ptrs: list[int]) -> None:
         """The gradients' addresses, one per run, for the next launches: copied to the device when they
         differ from the last ones (from pinned memory, without waiting: the caching host allocator keeps
-        the source until the copy ran, and the copy is ordered before the launch on the stream)."""
+        the source until the copy ran, and the copy is ordered before the launch on the stream).
+
+        Never while a CUDA graph is being captured on this stream: the captured copy would read a pinned
+        buffer that is reused after the capture (`zfunc.optim.update_graph` sets them before each replay)."""
         if ptrs == self._grad_ptrs:
             return
         if len(ptrs) != len(self.lengths):
             raise ValueError(f"{len(ptrs)} gradient addresses for {len(self.lengths)} runs")
         cuda = self.grads.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("AdamRuns.set_grads while a CUDA graph is being captured: set the gradients' "
+                               "addresses before the capture and before each replay")
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
         self.grads.copy_(host, non_blocking=cuda)
         self._grad_ptrs = list(ptrs)

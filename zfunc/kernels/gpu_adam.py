@@ -256,7 +256,7 @@ _GRAD_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _OUT_KINDS = {None: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def adam_runs_(runs: AdamRuns, grad_ptrs: list[int], grad_dtype: torch.dtype, *, lr: torch.Tensor,
+def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dtype, *, lr: torch.Tensor,
                step: torch.Tensor, beta1: float, beta2: float, eps: float, mode: str = "adamw",
                grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
     """`adam_flat_` over every run of ``runs`` in one launch (Triton only), the same bits.
@@ -267,6 +267,8 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int], grad_dtype: torch.dtype, *,
         grad_ptrs: the address of each run's gradients (``grad_dtype``, contiguous, the run's length),
             which must not overlap the runs' buffers. Addresses, not tensors: this is the low-level
             entry of a caller that checked them (`zfunc.optim.fused_plan`), and nothing here can.
+            None: the addresses set last (`AdamRuns.set_grads`), which the kernel reads from the
+            table on the device (a launch captured in a CUDA graph reads the ones set before each replay).
         lr, step, grad_scale, found_inf: 0-d tensors on the runs' device (as `adam_flat_`'s;
             ``found_inf`` may be a bool or uint8 flag).
         beta1, beta2, eps, mode: as `adam_flat_`'s.
@@ -277,7 +279,9 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int], grad_dtype: torch.dtype, *,
         raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
     device = runs.device
     resolve_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
-    runs.set_grads(grad_ptrs)
+    if grad_ptrs is not None:
+        runs.set_grads(grad_ptrs)
+    grad_ptrs = runs.grad_ptrs
     if not runs.num_chunks:
         return
     if found_inf is not None and found_inf.dtype == torch.bool:

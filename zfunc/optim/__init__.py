@@ -8,7 +8,9 @@
     zf.optim.learning_rate(opt_state)       # the rate of that update, a float32 0-d tensor
 
 Files: `base` (protocol, chain, apply_updates), `transforms` (building
-blocks), `aliases` (sgd, adam, adamw, lamb), `schedules` (count -> lr).
+blocks), `aliases` (sgd, adam, adamw, lamb), `schedules` (count -> lr);
+`cuda_graphed(tx)` runs a fused update on one GPU as a CUDA graph's replay
+(`update_graph`).
 """
 
 from zfunc.optim.aliases import adam, adamw, lamb, sgd
@@ -39,6 +41,7 @@ from zfunc.optim.transforms import (
     scale_by_trust_ratio,
     trace,
 )
+from zfunc.optim.update_graph import cuda_graphed
 
 __all__ = [
     "EmptyState",
@@ -56,6 +59,7 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "constant",
+    "cuda_graphed",
     "decay_mask",
     "identity",
     "lamb",

@@ -23,7 +23,10 @@ When all of the state is on one GPU, the update is one launch over every run
 (`zfunc.kernels.gpu_adam.adam_runs_`, the same bits as a launch per run),
 and what it derives from the layout (runs, buffers, decay tables, where the
 compute copy goes) is built once per state layout and checked, not rebuilt,
-at later steps (`zfunc.optim.fused_plan.DevicePlan`).
+at later steps (`zfunc.optim.fused_plan.DevicePlan`). With ``spec.graph``
+(`zfunc.optim.cuda_graphed`), that launch and the small operations around it
+(rate, step, clip divisor, counts) are captured in a CUDA graph once per
+layout and replayed (`zfunc.optim.update_graph`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from zfunc.kernels.gpu_adam import resolve_backend
 from zfunc.optim.fused_plan import DevicePlan
 from zfunc.optim.spans import contiguous_runs, find_runs, laid_out_like, span_of
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
+from zfunc.optim.update_graph import graphed_update
 from zfunc.tiers.placement import page_out
 from zfunc.tree import still_the_same, weak_refs
 
@@ -58,6 +62,8 @@ class AdamSpec:
       adam_path, lr_path: index paths, inside the optimizer state, to its
         `ScaleByAdamState` and `ScaleByLearningRateState`.
       clip: the max norm of a ``clip_by_global_norm`` chained before, or None.
+      graph: run the update, where it is one launch on one GPU, as the replay of a CUDA graph captured once
+        per state layout (`zfunc.optim.update_graph`; set by `zfunc.optim.cuda_graphed`).
       tables: kernel tables built for this optimizer (weight-decay chunk tables
         of the GPU kernel), reused across steps; derived data, not configuration.
     """
@@ -72,6 +78,7 @@ class AdamSpec:
     adam_path: tuple[int, ...]
     lr_path: tuple[int, ...]
     clip: float | None = None
+    graph: bool = False
     tables: dict = dataclasses.field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def nested(self, index: int) -> "AdamSpec":
@@ -99,8 +106,13 @@ class AdamSpec:
             lr = torch.where(skip, rate.learning_rate, lr)
         else:
             one = 1
-        opt_state = _replace_at(opt_state, self.adam_path, ScaleByAdamState(adam.count + one, mu, nu))
-        return _replace_at(opt_state, self.lr_path, ScaleByLearningRateState(rate.count + one, lr))
+        return self.with_counts(opt_state, mu, nu, adam.count + one, rate.count + one, lr)
+
+    def with_counts(self, opt_state, mu: dict, nu: dict, count: torch.Tensor, rate_count: torch.Tensor,
+                    lr: torch.Tensor):
+        """The optimizer state with these moments, counts and rate (as they are: no arithmetic)."""
+        opt_state = _replace_at(opt_state, self.adam_path, ScaleByAdamState(count, mu, nu))
+        return _replace_at(opt_state, self.lr_path, ScaleByLearningRateState(rate_count, lr))
 
     def weight_decays(self, params: dict) -> dict[str, float]:
         if self.mode == "adam" or self.mask is None:
@@ -187,13 +199,21 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into)
     if planned is None and not fusable(params, grads, mu, nu):
         return None
-    lr = spec.schedule(spec.lr_state(opt_state).count)
-    step = adam.count + 1
-    divisor = None
-    if spec.clip is not None:  # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
+    norm = None
+    if spec.clip is not None:
         if landing is not None:  # (the norm reads every gradient)
             landing.wait_all()
-        divisor = 1.0 / (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
+        norm = global_norm(grads)  # (once: under shard a collective, which every rank runs alike)
+    if planned is not None and spec.graph and landing is None:  # the plan's update as a CUDA graph's replay
+        plan, grad_ptrs = planned
+        new_state = graphed_update(spec, plan, grad_ptrs, opt_state, skip, norm)
+        if new_state is not None:
+            copy = None if plan.out_dtype is None else {k: compute_into[k] for k in params}
+            return params, new_state, copy
+    lr = spec.schedule(spec.lr_state(opt_state).count)
+    step = adam.count + 1
+    # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
+    divisor = None if norm is None else 1.0 / (spec.clip / (norm + 1e-6)).clamp(max=1.0)
     if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
         plan, grad_ptrs = planned
         plan.launch(spec, grad_ptrs, lr, step, divisor, skip)

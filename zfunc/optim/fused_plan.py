@@ -149,9 +149,10 @@ class DevicePlan:
             ptrs.append(base)
         return ptrs
 
-    def launch(self, spec, grad_ptrs: list[int], lr: torch.Tensor, step: torch.Tensor,
+    def launch(self, spec, grad_ptrs: list[int] | None, lr: torch.Tensor, step: torch.Tensor,
                divisor: torch.Tensor | None, skip: torch.Tensor | None) -> None:
-        """The update of every run, in one launch (``spec``: the optimizer's `AdamSpec`)."""
+        """The update of every run, in one launch (``spec``: the optimizer's `AdamSpec`; ``grad_ptrs``
+        None: the gradients' addresses set last on the table, as `zfunc.optim.update_graph` sets them)."""
         device = self.device
         adam_runs_(self.table, grad_ptrs, self.grad_dtype, lr=lr.to(device), step=step.to(device), beta1=spec.b1,
                    beta2=spec.b2, eps=spec.eps, mode=spec.mode,

@@ -81,6 +81,23 @@ def as_schedule(lr: ScalarOrSchedule) -> Schedule:
     return constant(lr)
 
 
+def tensor_ops_only(schedule: Schedule) -> Schedule:
+    """Mark a schedule made of tensor operations only, as this module's are (no host reads, no Python branch
+    on the count): a CUDA graph may then capture it (`zfunc.optim.update_graph`). Returns ``schedule``."""
+    schedule.tensor_ops_only = True
+    return schedule
+
+
+def user_callable(schedule: Schedule) -> bool:
+    """Whether ``schedule`` is a user's callable (wrapped by `as_schedule`, or not made here at all, and not
+    marked `tensor_ops_only`) rather than one of this module's schedules, which are tensor operations only
+    (module docstring): a user's may read the count on the host (``float(count)``), so it cannot be captured
+    in a CUDA graph and `zfunc.optim.update_graph` evaluates it on the host instead."""
+    if getattr(schedule, "tensor_ops_only", False):
+        return False
+    return getattr(schedule, "__module__", None) != __name__ or hasattr(schedule, "__wrapped__")
+
+
 def _tensor_rates(fn: Callable) -> Schedule:
     @functools.wraps(fn)
     def schedule(count: torch.Tensor) -> torch.Tensor:
