@@ -382,6 +382,11 @@ class shard(Transform):  # noqa: N801
         layout, comm = call.layout, call.comm
         if self.stage == 1:
             value, grads = next(fn, params, args, kwargs, has_aux)
+            if comm.group.size == 1:
+                # One rank: its shard of a gradient is the whole gradient and the reduction the identity, so
+                # each is handed on as the 1-D shard it stands for (packing the units' gradients into flat
+                # buffers to reduce them would only copy every gradient, twice).
+                return value, {k: g.reshape(-1) for k, g in grads.items()}
             sharded = {}
             for unit in layout.units:
                 reduced = comm.reduce_scatter(unit.pack_full(grads), unit.name)
