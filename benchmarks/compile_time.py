@@ -183,7 +183,8 @@ def measure(args) -> dict:
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases()}
+            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases(),
+            "caches": caches()}
 
 
 def cpu_seconds() -> float:
@@ -210,6 +211,21 @@ def phases() -> dict:
     names, values = compile_times(repr="csv", aggregate=True)
     found = dict(zip(names, (float(v) for v in values)))
     return {phase: round(found[key], 2) for phase, key in PHASES.items() if key in found}
+
+
+def caches() -> dict:
+    """The compile caches' hits and misses in this process (AOTAutograd's and Inductor's FX graph cache; a
+    warm run that misses recompiles what the cold run stored: a key that changed between the processes),
+    and dynamo's graph breaks and recompiles."""
+    from torch._dynamo.utils import counters
+
+    wanted = {"aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
+                               "autograd_cache_guard_miss"),
+              "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+    out = {name: counters[group][name] for group, names in wanted.items() for name in names if counters[group][name]}
+    out["frames"] = sum(counters["frames"].values()) if "frames" in counters else 0
+    out.update({f"{k}": sum(v.values()) for k, v in counters.items() if k in ("graph_break", "recompiles") and v})
+    return out
 
 
 def run_one(args, name: str, cache: str) -> dict:

@@ -98,6 +98,8 @@ _NAMED_TUPLE = "namedtuple"  # a NamedTuple's meta (compared by identity: no reg
 
 def _one_level(node: Any) -> tuple[tuple, Any] | None:
     """``(children, meta)`` of a node; None for a leaf."""
+    if isinstance(node, torch.Tensor) and type(node) not in torch_pytree.SUPPORTED_NODES:
+        return None  # (the usual leaf, asked first: dynamo traces every step of this per leaf)
     kind = type(node)
     if node is None:
         return (), None

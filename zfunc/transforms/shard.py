@@ -459,9 +459,10 @@ class shard(Transform):  # noqa: N801
 
             model_call.wrap_block(block.name, wrapper, kind="materialize")
             if recomputed or (units.mode == "functional" and self.stage == 3):
-                refuse_running_statistics(model_call.structure.submodules_of_type(block.name, _NormBase),
-                                          repr(self), "use reshard='release'" if recomputed else
-                                          "differentiate with zf.value_and_grad rather than under torch.func")
+                norms = model_call.structure.submodules_of_type(block.name, _NormBase)
+                if norms:  # (repr(self) only then: it formats every setting, per block while dynamo traces)
+                    refuse_running_statistics(norms, repr(self), "use reshard='release'" if recomputed else
+                                              "differentiate with zf.value_and_grad rather than under torch.func")
                 model_call.require_recompute(block.name)
         model_call.params = new_params
         model_call.partial_keys = plan.partial_keys
