@@ -13,7 +13,9 @@ median (what the first step spent compiling); the table gives it and its ratio t
 and warm figures, the same in CPU seconds (robust to the load of a shared machine; with
 ``TORCHINDUCTOR_COMPILE_THREADS=1`` it includes the build), the 1-minute load average around each run, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
-summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
+summed over the process's compiles from dynamo's own timers, and ``caches``: the AOTAutograd and FX graph
+cache hits, misses and bypasses (a warm run that misses or bypasses a cache compiles again what the cold run
+stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one). ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
 the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
 search grows faster than the count) by the zfunc, model or script line that made them.
@@ -215,16 +217,16 @@ def phases() -> dict:
 
 def caches() -> dict:
     """The compile caches' hits and misses in this process (AOTAutograd's and Inductor's FX graph cache; a
-    warm run that misses recompiles what the cold run stored: a key that changed between the processes),
-    and dynamo's graph breaks and recompiles."""
+    warm run that misses compiles again what the cold run stored), and dynamo's graphs, graph breaks and
+    recompiles."""
     from torch._dynamo.utils import counters
 
     wanted = {"aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
                                "autograd_cache_guard_miss"),
               "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
     out = {name: counters[group][name] for group, names in wanted.items() for name in names if counters[group][name]}
-    out["frames"] = sum(counters["frames"].values()) if "frames" in counters else 0
-    out.update({f"{k}": sum(v.values()) for k, v in counters.items() if k in ("graph_break", "recompiles") and v})
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    out.update({k: sum(v.values()) for k, v in counters.items() if k in ("graph_break", "recompiles") and v})
     return out
 
 

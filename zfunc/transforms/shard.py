@@ -434,7 +434,7 @@ class shard(Transform):  # noqa: N801
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
         plan = model_call.structure.derived("shard.apply", layout,
-                                            lambda: BlockPlan.build(model_call, layout, f" under {self!r}"))
+                                            lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
