@@ -135,6 +135,9 @@ def traced_flatten(tree: Any) -> tuple[list, TracedSpec]:
     leaves: list = []
 
     def visit(node: Any) -> TracedSpec:
+        if isinstance(node, torch.Tensor) and type(node) not in torch_pytree.SUPPORTED_NODES:
+            leaves.append(node)  # (the usual leaf, without the call below: dynamo inlines every call it traces)
+            return _LEAF
         level = _one_level(node)
         if level is None:
             leaves.append(node)
