@@ -13,7 +13,9 @@ median (what the first step spent compiling); the table gives it and its ratio t
 and warm figures, the same in CPU seconds (robust to the load of a shared machine; with
 ``TORCHINDUCTOR_COMPILE_THREADS=1`` it includes the build), the 1-minute load average around each run, and the JSON (``--json``) each run's time per phase of the compile (``phases``:
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
-summed over the process's compiles from dynamo's own timers. ``--layers`` sets the depth (the tiny
+summed over the process's compiles from dynamo's own timers, and ``caches``: the AOTAutograd and FX graph
+cache hits, misses and bypasses (a warm run that misses or bypasses a cache compiles again what the cold run
+stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one). ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
 the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
 search grows faster than the count) by the zfunc, model or script line that made them.
@@ -183,7 +185,8 @@ def measure(args) -> dict:
     median = statistics.median(times[1:])
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
-            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases()}
+            "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases(),
+            "caches": caches()}
 
 
 def cpu_seconds() -> float:
@@ -210,6 +213,21 @@ def phases() -> dict:
     names, values = compile_times(repr="csv", aggregate=True)
     found = dict(zip(names, (float(v) for v in values)))
     return {phase: round(found[key], 2) for phase, key in PHASES.items() if key in found}
+
+
+def caches() -> dict:
+    """The compile caches' hits and misses in this process (AOTAutograd's and Inductor's FX graph cache; a
+    warm run that misses compiles again what the cold run stored), and dynamo's graphs, graph breaks and
+    recompiles."""
+    from torch._dynamo.utils import counters
+
+    wanted = {"aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass",
+                               "autograd_cache_guard_miss"),
+              "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+    out = {name: counters[group][name] for group, names in wanted.items() for name in names if counters[group][name]}
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    out.update({k: sum(v.values()) for k, v in counters.items() if k in ("graph_break", "recompiles") and v})
+    return out
 
 
 def run_one(args, name: str, cache: str) -> dict:

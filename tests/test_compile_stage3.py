@@ -17,7 +17,7 @@ from torch import nn
 
 import zfunc as zf
 from tests.models import TinyLM, make_batch, tiny_lm_step
-from tests.shard_cases import local_batch, optimizer, rank_and_world
+from tests.shard_cases import build, local_batch, optimizer, rank_and_world
 from tests.test_compile import check, eager_and_compiled
 from zfunc.model_structure import BlockDispatch
 from zfunc.transforms import checkpoint, compile_blocks, mixed_precision, offload, shard
@@ -37,6 +37,34 @@ def test_whole_step_stage_3(dist, name, world):
     bf16: one graph, no recompile over the steps, equal to the eager step."""
     for result in dist(eager_and_compiled, world, WHOLE[name], timeout=900):
         check(result)
+
+
+def _graph_ops(make) -> list[str]:
+    """The operators of dynamo's graph of ``torch.compile(make(plain_step))`` on this rank (one step)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    ops: list[str] = []
+
+    def backend(graph_module, example_inputs):
+        ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module
+
+    rank, world = rank_and_world()
+    plain, state = build()
+    step = make(plain)
+    torch.compile(step, fullgraph=True, backend=backend)(step.init(state), local_batch(0, rank, world))
+    return ops
+
+
+@pytest.mark.slow  # traces one step (~10 s on 2 cores)
+def test_whole_step_at_world_1_holds_no_autograd_function(dist):
+    """At world size 1 the gathers are plain differentiable operations, not an autograd Function:
+    AOTAutograd's cache refuses a graph holding one (``autograd_function_apply``), so a second run
+    with a warm cache would trace the joint graph again (`zfunc.transforms.shard_compiled.unit_views`)."""
+    ops = dist(_graph_ops, 1, WHOLE["s3"], timeout=600)[0]
+    assert len(ops) > 20, ops  # (the step's graph, not an empty one)
+    assert not [op for op in ops if "autograd_function_apply" in op], ops
 
 
 # --------------------------------------------------------------------------

@@ -45,6 +45,15 @@ call, so the eager step is unchanged):
   ``torch.func.vjp`` (2.11 and 2.13: ``tests/test_compile_regions.py``), so
   the compile time of the whole step grows with the depth.
 
+What a trace costs (``benchmarks/compile_time.py --json``: its ``phases`` and ``caches``): dynamo's
+time grows with the tensors the traced code touches, each a graph input it wraps and guards
+(a view of a flat buffer costing about twice a tensor of its own), and with the Python it
+interprets per parameter. A stage 3 step with a master copy and Adam touches four views per
+parameter (the compute shard, the master, both moments) against the floor's one parameter, so
+per-key work while tracing is kept out of the way (computed once, or only where an error is
+raised). At world size 1 the graph holds no autograd Function (`shard_compiled.unit_views`), so
+AOTAutograd's cache, which refuses one, spares a warm run the joint graph's trace.
+
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose
 ``active`` attribute dynamo traces like any object's.
@@ -98,6 +107,8 @@ _NAMED_TUPLE = "namedtuple"  # a NamedTuple's meta (compared by identity: no reg
 
 def _one_level(node: Any) -> tuple[tuple, Any] | None:
     """``(children, meta)`` of a node; None for a leaf."""
+    if isinstance(node, torch.Tensor) and type(node) not in torch_pytree.SUPPORTED_NODES:
+        return None  # (the usual leaf, asked first: dynamo traces every step of this per leaf)
     kind = type(node)
     if node is None:
         return (), None
@@ -124,6 +135,9 @@ def traced_flatten(tree: Any) -> tuple[list, TracedSpec]:
     leaves: list = []
 
     def visit(node: Any) -> TracedSpec:
+        if isinstance(node, torch.Tensor) and type(node) not in torch_pytree.SUPPORTED_NODES:
+            leaves.append(node)  # (the usual leaf, without the call below: dynamo inlines every call it traces)
+            return _LEAF
         level = _one_level(node)
         if level is None:
             leaves.append(node)

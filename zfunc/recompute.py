@@ -92,12 +92,15 @@ def recompute(body: Callable, params: dict[str, torch.Tensor], *args: Any,
     Returns:
       What ``body`` returns.
     """
-    flat, spec = tree_flatten((args, kwargs))  # (once: what the checks and both routes walk)
-    _refuse_kv_cache(flat)
     if tracing():
         # torch.compile of the whole step: the block runs as it is and its activations stay (see
         # `zfunc.compiled`: neither route traces under the step's torch.func.vjp), so dropout needs no replay.
+        # A key/value cache is refused as eagerly, looked for among the block's own arguments (where a model
+        # hands it over) rather than in their flattened tree, which dynamo would walk leaf by leaf per block.
+        _refuse_kv_cache([x for x in (*args, *kwargs.values()) if x is not None and not isinstance(x, torch.Tensor)])
         return body(params, *args, **kwargs)
+    flat, spec = tree_flatten((args, kwargs))  # (once: what the checks and both routes walk)
+    _refuse_kv_cache(flat)
     if not under_torch_func_or_compile() and (save is None or inputs_to_host is not None):
         if inputs_to_host is not None:
             args, kwargs = _kept_on_host((args, kwargs), pin_memory=inputs_to_host)

@@ -351,7 +351,7 @@ class shard(Transform):  # noqa: N801
         if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
             return _Call(layout, comm, None, StageUnits(layout, comm))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
-                      verify=self.verify, host=self._host_group(ctx, group), who=repr(self)) if self.stage > 1 else None
+                      verify=self.verify, host=self._host_group(ctx, group), who=self) if self.stage > 1 else None
         return _Call(layout, comm, units)
 
     def _host_group(self, ctx, group: dist.Group) -> dist.Group | None:
@@ -440,7 +440,7 @@ class shard(Transform):  # noqa: N801
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
         plan = model_call.structure.derived("shard.apply", layout,
-                                            lambda: BlockPlan.build(model_call, layout, f" under {self!r}"))
+                                            lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
         new_params = dict(params)
         root = layout.unit_of_name(ROOT)
@@ -468,9 +468,10 @@ class shard(Transform):  # noqa: N801
             # (Under torch.func stage 3 recomputes its blocks rather than keep them gathered; at one rank the blocks
             # run on the shards themselves, where there is nothing to free.)
             if recomputed or (units.mode == "functional" and self.stage == 3 and not units.runs_on_shards()):
-                refuse_running_statistics(model_call.structure.submodules_of_type(block.name, _NormBase),
-                                          repr(self), "use reshard='release'" if recomputed else
-                                          "differentiate with zf.value_and_grad rather than under torch.func")
+                norms = model_call.structure.submodules_of_type(block.name, _NormBase)
+                if norms:  # (repr(self) only then: it formats every setting, per block while dynamo traces)
+                    refuse_running_statistics(norms, repr(self), "use reshard='release'" if recomputed else
+                                              "differentiate with zf.value_and_grad rather than under torch.func")
                 model_call.require_recompute(block.name)
         model_call.params = new_params
         model_call.partial_keys = plan.partial_keys
@@ -478,7 +479,7 @@ class shard(Transform):  # noqa: N801
         out = next(model_call)
         units.finish_call(params, full_flats)
         if root_written is not None:
-            refuse_writes(*root_written, repr(self), "the root unit")
+            refuse_writes(*root_written, self, "the root unit")
         return out
 
     def apply_gradients(self, next, state, grads, request):

@@ -23,7 +23,7 @@ _version = operator.attrgetter("_version")
 
 
 def run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
-                 unit_name: str, who: str, opaque: Callable[[], None] | None = None) -> Any:
+                 unit_name: str, who: object, opaque: Callable[[], None] | None = None) -> Any:
     """``body(block_params, ...)``, refusing an in-place write into the gathered parameters and
     copying out any output that is a view of them (it would outlive the buffer); ``opaque()`` is called
     when an output holds an object zfunc cannot look inside (which may hold such a view)."""
@@ -35,7 +35,7 @@ def run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, v
     return detach_from(out, next(iter(views.values())), opaque)
 
 
-def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: str, where: str) -> None:
+def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: object, where: str) -> None:
     """Raise if the forward wrote in place into one of ``views`` (the parameters a unit gave the model), whose
     version counters were ``versions`` before it ran.
 
@@ -49,7 +49,7 @@ def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: str,
     # (Views of one gathered buffer share its version counter: then which of them was written is not known.)
     which = "one of " if len(written) == len(views) > 1 else ""
     raise RuntimeError(
-        f"{who}: the forward wrote in place into {which}{', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
+        f"{who if isinstance(who, str) else repr(who)}: the forward wrote in place into {which}{', '.join(written[:6])}{' ...' if len(written) > 6 else ''} "
         f"({where}), e.g. nn.Embedding(max_norm=...) renormalizes the rows it looks up, or a weight is updated "
         "under torch.no_grad() or through .data inside forward. Under shard(stage=2|3) the model runs on a "
         "unit's gathered (or shared) buffer, which such a write never leaves: training would silently diverge "

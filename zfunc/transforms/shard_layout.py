@@ -362,7 +362,8 @@ def make_layout(params: dict[str, torch.Tensor], stage: int, world_size: int, ra
 
 
 def is_param_shaped(node: Any, keys: set[str]) -> bool:
-    return isinstance(node, dict) and node.keys() == keys and all(isinstance(v, torch.Tensor)
+    # (The length first: a cheap refusal of the other dicts, whose key comparison dynamo traces key by key.)
+    return isinstance(node, dict) and len(node) == len(keys) and node.keys() == keys and all(isinstance(v, torch.Tensor)
                                                                   for v in node.values())
 
 

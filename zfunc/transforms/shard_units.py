@@ -149,9 +149,9 @@ class Units:
 
     def __init__(self, layout: ShardLayout, comm: dist.Comm, reshard: Literal["release", "recompute"],
                  explicit_units: bool = False, verify: bool = True, host: dist.Group | None = None,
-                 who: str = "shard") -> None:
+                 who: object = "shard") -> None:
         self.layout, self.comm, self.reshard = layout, comm, reshard
-        self.who = who  # the transform, as errors name it
+        self.who = who  # the transform errors name (formatted only then: its repr is not cheap, nor traced)
         self.explicit_units, self.verify = explicit_units, verify
         self.host = host  # where ``verify`` exchanges the units each rank ran (`dist.host_group`)
         self.rank = comm.group.rank
