@@ -19,9 +19,10 @@ equivalents instead, at the few points `shard.py` and `shard_units.py` name:
   where it is complete, inside the backward half of the graph;
 - `ResidentUnit` (stage 2): the resident full parameters handed to the model
   as they are; backward reduce-scatters their gradient likewise;
-- at world size 1 neither: the unit's views are split from the concatenation of its
-  slices (plain differentiable operations; an autograd Function in the graph makes
-  AOTAutograd's cache refuse it, so a warm cache would not spare its trace);
+- at world size 1 neither: the model runs on the shards themselves, reshaped
+  (`Units.runs_on_shards`), so the graph holds no collective and no autograd
+  Function (one there makes AOTAutograd's cache refuse the graph, so a warm cache
+  would not spare its trace);
 - shards and the in-place all-gather of updated parameters (stages 1/2) are
   per-key slices of the parameters, not views of a buffer found from storage.
 
@@ -179,12 +180,6 @@ def unit_views(comm: CompiledComm, unit: UnitLayout, slices: dict, rank: int,
     """What the model sees of ``unit`` in a compiled step: full parameters, differentiable with
     respect to this rank's ``slices`` (gathered; or, at stage 2, the ``resident`` ones)."""
     flat_shard = unit.cat_shard(slices, rank)
-    if comm.group.size == 1:
-        # One rank: the shard is the whole unit (no padding), a fresh concatenation of the slices, and its
-        # gradient the slices' gradient as it is. No autograd Function in the graph: one there makes
-        # AOTAutograd's cache refuse the graph (``autograd_function_apply`` is not cacheable), so that a
-        # second run with a warm cache would trace the joint graph again (`benchmarks/compile_time.py`).
-        return unit.split_views(flat_shard)
     if resident is not None:
         if comm.group.size > 1:
             comm.reduced += unit.padded
