@@ -51,7 +51,8 @@ time grows with the tensors the traced code touches, each a graph input it wraps
 interprets per parameter. A stage 3 step with a master copy and Adam touches four views per
 parameter (the compute shard, the master, both moments) against the floor's one parameter, so
 per-key work while tracing is kept out of the way (computed once, or only where an error is
-raised). At world size 1 the graph holds no autograd Function (`shard_compiled.unit_views`), so
+raised). At world size 1 the graph holds no autograd Function (the model runs on the shards themselves,
+`zfunc.transforms.shard_units.Units.runs_on_shards`), so
 AOTAutograd's cache, which refuses one, spares a warm run the joint graph's trace.
 
 What needs no other route: a wrapped block's forward is routed by a
