@@ -357,6 +357,12 @@ class Units:
         (`shard_block_checks.refuse_writes`)."""
         return self.sink is None and self.whole_shards()
 
+    def _gathered_now(self, unit: UnitLayout, slices: dict) -> torch.Tensor:
+        """``unit``'s full flat buffer gathered now, not prefetched (the root unit, a parameter used outside its
+        block): the shard itself where it is the whole unit (`whole_shards`)."""
+        data = self._data(unit, slices)
+        return data if self.whole_shards() else self.comm.all_gather(data, tag=unit.name)
+
     def _prefetch(self, phase: str, index: int, params: dict) -> None:
         # Stage 3 runs blocks in layout order forward and in reverse in backward's recomputes:
         # gather the next one while this one computes.
@@ -424,9 +430,7 @@ class Units:
                 self.backward_begins()
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
             elif unit.name == ROOT:
-                full = self._data(unit, slices)
-                if not self.whole_shards():
-                    full = self.comm.all_gather(full, tag=unit.name)
+                full = self._gathered_now(unit, slices)
             else:
                 full = self._gathered(unit, self._data(unit, slices), phase, params, recomputed)
         tensors = tuple(map(slices.__getitem__, unit.keys))
@@ -454,12 +458,10 @@ class Units:
             if views is None:
                 slices = {k: params[k] for k in unit.keys}
                 full = None
-                if full_flats is None and self.mode == "autograd":
+                if full_flats is None and self.mode == "autograd" and not self.runs_on_shards():
                     if in_backward():
                         self.backward_begins()
-                    full = self._data(unit, slices)
-                    if not self.whole_shards():
-                        full = self.comm.all_gather(full, tag=unit.name)
+                    full = self._gathered_now(unit, slices)
                 views = self.views(unit, slices, params, full_flats, recomputed=False, full=full)
                 if not in_backward():
                     made[unit.name] = views
@@ -473,8 +475,6 @@ class Units:
         flat_shard = unit.cat_shard(slices, self.rank)
         if full_flats is not None:
             full = dist.Replicated.apply(flat_shard, dist.Holder(full_flats[unit.name]), self.comm, unit.name)
-        elif unit.name == ROOT:
-            full = dist.AllGather.apply(flat_shard, self.comm, None, unit.name)
         else:
             full = dist.AllGather.apply(flat_shard, self.comm, None, unit.name)
         return unit.full_views(full)
