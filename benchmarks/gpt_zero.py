@@ -320,21 +320,102 @@ class PhaseClock:
                 "host_ms": {n: median(host, j) for j, n in enumerate(self.NAMES)}}
 
 
+class HostProbe:
+    """``--host-probe``: where a step's host time goes, without a profiler (whose own cost would hide it).
+
+    Over the timed steps: the host clock at the start of each transformer block's forward (a global
+    forward pre-hook; the gaps between them are each block's host time, and the time before the first
+    block and after the last show the step's own work), the caching allocator's device mallocs, frees
+    and retries (``cudaMalloc``/``cudaFree`` wait for the device), and the garbage collections. Before
+    the steps: how fast this process runs plain Python and plain tensor calls (``speed``), so a slow
+    process and a slow step can be told apart.
+    """
+
+    def __init__(self) -> None:
+        self.block_starts: list[float] = []
+        self.steps: list[list[float]] = []
+        self.collections = 0
+        self.handle = None
+
+    @staticmethod
+    def speed() -> dict:
+        start = time.perf_counter()
+        total = 0
+        for i in range(200_000):  # plain Python
+            total += i & 7
+        python_ms = 1e3 * (time.perf_counter() - start)
+        x = torch.zeros(4, 4, device="cuda" if torch.cuda.is_available() else "cpu")
+        start = time.perf_counter()
+        for _ in range(20_000):  # the dispatcher, no kernel
+            x.view(16).view(4, 4)
+        view_us = 1e6 * (time.perf_counter() - start) / 40_000
+        start = time.perf_counter()
+        for _ in range(2_000):  # a kernel launch each
+            x.add_(1)
+        launch_us = 1e6 * (time.perf_counter() - start) / 2_000
+        sync()
+        return {"python_ms": python_ms, "view_us": view_us, "add_launch_us": launch_us}
+
+    def _pre_hook(self, module, args) -> None:
+        if type(module).__name__.endswith("Block"):
+            self.block_starts.append(time.perf_counter())
+
+    def begin(self) -> None:
+        self.alloc_before = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        self.handle = torch.nn.modules.module.register_module_forward_pre_hook(self._pre_hook)
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase, info) -> None:
+        if phase == "start":
+            self.collections += 1
+
+    def step_started(self) -> None:
+        self.block_starts = []
+
+    def step_ended(self, forward_start: float, forward_end: float | None) -> None:
+        if self.block_starts and forward_end is not None:
+            self.steps.append([forward_start, *self.block_starts, forward_end])
+
+    def end(self) -> dict:
+        self.handle.remove()
+        gc.callbacks.remove(self._gc)
+        after = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        alloc = {k: after.get(k, 0) - self.alloc_before.get(k, 0)
+                 for k in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")}
+        if not self.steps:
+            return {"allocator": alloc, "gc_collections": self.collections}
+        med = statistics.median
+        before = med(s[1] - s[0] for s in self.steps)
+        after_blocks = med(s[-1] - s[-2] for s in self.steps)
+        gaps = [b - a for s in self.steps for a, b in zip(s[1:-2], s[2:-1])]
+        return {"before_blocks_ms": 1e3 * before, "block_ms_median": 1e3 * med(gaps),
+                "block_ms_max": 1e3 * max(gaps), "block_ms_min": 1e3 * min(gaps),
+                "after_blocks_ms": 1e3 * after_blocks, "allocator": alloc, "gc_collections": self.collections}
+
+
 def time_steps(args, one, clock: PhaseClock | None = None):
     # Peak memory is reported above what was allocated when the contender started (0 when the
     # previous contenders freed everything), so one contender's leftovers never count for the next.
     baseline = args.allocated_before
     times, loss = [], None
+    probe = HostProbe() if args.host_probe else None
     for i in range(args.warmup + args.steps):
         sync()
+        if probe is not None and i == args.warmup:
+            speed = probe.speed()
+            probe.begin()
         if clock is not None:
             clock.start()
+        if probe is not None:
+            probe.step_started()
         start = time.perf_counter()
         loss = one(i)
         if clock is not None and len(clock.marks) == len(clock.NAMES):
             clock.mark()  # the end of an eager step (zfunc's observer marks it itself)
         sync()
         times.append(time.perf_counter() - start)
+        if probe is not None and i >= args.warmup and clock is not None and len(clock.marks) > 1:
+            probe.step_ended(clock.marks[0][1], clock.marks[1][1])  # (the forward: step start to loss)
         if clock is not None:
             clock.finish()
         if i == args.warmup - 1:
@@ -349,6 +430,7 @@ def time_steps(args, one, clock: PhaseClock | None = None):
     # them: a step's host work overlaps the GPU work of the step before, so where a phase's host time is
     # below its GPU time the step takes its GPU time. (The timed steps above synchronize before and after
     # each step, so their host and GPU time never overlap across steps.)
+    host_probe = {**probe.end(), **speed} if probe is not None else None
     peak_alloc, peak_reserved = max_allocated(), (torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0)
     sync()
     start = time.perf_counter()
@@ -371,7 +453,8 @@ def time_steps(args, one, clock: PhaseClock | None = None):
             "peak_reserved_gib": peak_reserved / 2**30,
             "allocated_before_gib": baseline / 2**30,
             "loss": float(loss) / world,
-            **(clock.summary(args.warmup) if clock is not None else {})}
+            **(clock.summary(args.warmup) if clock is not None else {}),
+            **({"host_probe": host_probe} if host_probe is not None else {})}
 
 
 def max_allocated() -> int:
@@ -438,6 +521,9 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over 3 extra steps (rank 0 prints the kernels by GPU time)")
     p.add_argument("--cprofile", action="store_true", help="cProfile over 3 extra steps: where the host time goes")
+    p.add_argument("--host-probe", action="store_true",
+                   help="per contender: each block's host time in forward, allocator and gc events over the "
+                        "timed steps, and this process's Python and dispatcher speed (see HostProbe)")
     p.add_argument("--compile", action="store_true",
                    help="add the compiled contenders: " + ",".join(COMPILED) + " (see the module docstring)")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps: check the script end to end")
@@ -503,6 +589,10 @@ def main():
                 + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
                    f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else ""))
+            if "host_probe" in r:
+                hp = r["host_probe"]
+                log(f"{'':18s} probe: " + ", ".join(
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in hp.items()))
         except Exception as err:  # keep going: one broken contender must not lose the table
             results[name] = {"error": f"{type(err).__name__}: {err}"}
             log(f"{name:18s} FAILED {type(err).__name__}: {str(err)[:300]}")
