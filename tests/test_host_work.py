@@ -85,16 +85,23 @@ def test_a_steady_state_step_derives_no_structure_on_two_ranks(stack):
         _check_counts(counts, units, world=2)
 
 
-@pytest.mark.filterwarnings("ignore:shard.stage=3.. the root unit holds")
-def test_a_new_state_layout_is_planned_anew(monkeypatch):
-    """The plan is kept per layout: a state laid out again (here: for other units) gets its own."""
+def plans_built_for_two_layouts() -> int:
+    """BlockPlan builds over two steps each of stage 3 on two state layouts (other units)."""
     _, params, train_step = tiny_lm_step(depth=DEPTH)
     batch = make_batch()
     counts: collections.Counter = collections.Counter()
-    _counting(monkeypatch, counts, BlockPlan, "build", static=True)
-    for units in (None, ["blocks.0", "blocks.2"]):
-        step = shard(train_step, stage=3, units=units)
-        state = step.init(zf.TrainState.create(dict(params), zf.optim.adamw(1e-3)))
-        for _ in range(2):
-            state, _ = step(state, batch)
-    assert counts["BlockPlan.build"] == 2, counts
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _counting(monkeypatch, counts, BlockPlan, "build", static=True)
+        for units in (None, ["blocks.0", "blocks.2"]):
+            step = shard(train_step, stage=3, units=units)
+            state = step.init(zf.TrainState.create(dict(params), zf.optim.adamw(1e-3)))
+            for _ in range(2):
+                state, _ = step(state, batch)
+    return counts["BlockPlan.build"]
+
+
+@pytest.mark.filterwarnings("ignore:shard.stage=3.. the root unit holds")
+def test_a_new_state_layout_is_planned_anew():
+    """The plan is kept per layout: a state laid out again (here: for other units) gets its own. (Two ranks:
+    at one the model runs on the shards, given whole, and no block is routed or planned.)"""
+    assert run_distributed(plans_built_for_two_layouts, 2) == [2, 2]

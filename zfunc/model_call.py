@@ -235,6 +235,15 @@ def _plain_recompute(name: str, body: BlockBody) -> BlockBody:
     return lambda block_params, *args, **kwargs: recompute(body, block_params, *args, **kwargs)
 
 
+def refuse_container_block(name: str, module: nn.Module) -> None:
+    """Refuse a block (a unit, a region to wrap) named by a container that is never called itself."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(
+            f"{name!r} is a {type(module).__name__}, a container that is never called itself, so wrapping "
+            f"it would change nothing (its parameters would get no gradient). Name the blocks inside it "
+            f"instead (e.g. '{name}.0', '{name}.1', ...).")
+
+
 class _BlockOverride:
     """Routes a block's forward through its wrappers while a call runs.
 
@@ -247,11 +256,7 @@ class _BlockOverride:
     def __init__(self, call: ModelCall, name: str) -> None:
         self.call, self.name = call, name
         self.block = call.structure.module(name)
-        if isinstance(self.block, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(
-                f"{name!r} is a {type(self.block).__name__}, a container that is never called itself, so wrapping "
-                f"it would change nothing (its parameters would get no gradient). Name the blocks inside it "
-                f"instead (e.g. '{name}.0', '{name}.1', ...).")
+        refuse_container_block(name, self.block)
         self.dispatch = call.structure.dispatch(name)
         self._previous: _BlockOverride | None = None
         self.param_names = call.block_param_names(name)

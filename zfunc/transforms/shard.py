@@ -72,7 +72,7 @@ from zfunc.transforms.shard_layout import (
     merge_units,
     zip_param_shaped,
 )
-from zfunc.transforms.shard_blocks import BlockPlan
+from zfunc.transforms.shard_blocks import BlockPlan, refuse_container_units
 from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same_random_stream, warn_about_root
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
@@ -439,6 +439,9 @@ class shard(Transform):  # noqa: N801
                 "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
+        recomputed = self.stage == 3 and self.reshard == "recompute"
+        if units.runs_on_shards() and not recomputed:
+            return self._apply_on_shards(next, model_call, params, layout)
         plan = model_call.structure.derived("shard.apply", layout,
                                             lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
@@ -448,8 +451,8 @@ class shard(Transform):  # noqa: N801
         if root is not None:
             root_views = units.views(root, params, params, full_flats, recomputed=False)
             new_params.update(root_views)
-            if root_views and not tracing() and (units.runs_on_shards() or (self.stage == 3
-                                                                             and not torch.is_grad_enabled())):
+            if root_views and not tracing() and (units.whole_shards() or (self.stage == 3
+                                                                           and not torch.is_grad_enabled())):
                 # Without gradients the stage 3 root unit is a plain gathered copy: a write into it (an
                 # evaluation forward through nn.Embedding(max_norm=...)) would never reach the shards; the
                 # shards themselves (one rank) are refused the same writes. (Otherwise autograd refuses the
@@ -457,7 +460,6 @@ class shard(Transform):  # noqa: N801
                 root_written = (root_views, [t._version for t in root_views.values()])
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
-        recomputed = self.stage == 3 and self.reshard == "recompute"
         for block in plan.blocks:
 
             def wrapper(name, body, block=block):
@@ -480,6 +482,25 @@ class shard(Transform):  # noqa: N801
         units.finish_call(params, full_flats)
         if root_written is not None:
             refuse_writes(*root_written, self, "the root unit")
+        return out
+
+    def _apply_on_shards(self, next, model_call, params, layout: ShardLayout):
+        """One rank, shards on the compute device, no accumulator fed per unit (`Units.runs_on_shards`): the
+        model runs on every unit's shard reshaped, given once for the whole call as at stage 1. No block is
+        routed through the units: there is nothing to gather, release or reduce, and routing each block
+        cost ~0.3 ms of host time per block (GPT-2 medium on an H200). A forward that writes into a parameter
+        in place is refused after it, as a block's would be at more ranks (`refuse_writes`: the same program
+        must not train differently on one GPU and on two)."""
+        model_call.structure.derived("shard.on_shards", layout, lambda: refuse_container_units(model_call, layout))
+        views = {}
+        for unit in layout.units:
+            views.update(unit.reshaped(params))
+        model_call.params = {**params, **views}
+        if tracing():  # (no version counters to check in a compiled step)
+            return next(model_call)
+        versions = [t._version for t in views.values()]
+        out = next(model_call)
+        refuse_writes(views, versions, self, "the model's forward, on one rank")
         return out
 
     def apply_gradients(self, next, state, grads, request):

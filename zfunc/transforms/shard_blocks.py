@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from zfunc.compiled import tracing
+from zfunc.model_call import refuse_container_block
 from zfunc.params_check import check_layout_shapes
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, UnitLayout
 
@@ -77,3 +78,11 @@ def _wrapped_blocks(model_call, layout: ShardLayout) -> dict[str, Any]:
                 wrapped[block] = layout.unit_of_name(owner)
                 seen.add(id(structure.module(block)))
     return wrapped
+
+
+def refuse_container_units(model_call, layout: ShardLayout) -> None:
+    """Refuse a unit named by a container (``units=["blocks"]`` for a ModuleList), as wrapping its block would:
+    where no block is wrapped (one rank: the model runs on the shards) the same program must fail alike."""
+    for unit in layout.units:
+        if unit.name != ROOT:
+            refuse_container_block(unit.name, model_call.structure.module(unit.name))
