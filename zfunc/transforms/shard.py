@@ -88,9 +88,10 @@ class ShardedParams(dict):
     copy of it would lose that).
     """
 
-    def __init__(self, shards: dict, full_flats: dict[str, torch.Tensor] | None) -> None:
+    def __init__(self, shards: dict, full_flats: dict[str, torch.Tensor] | None, shaped: bool = False) -> None:
         super().__init__(shards)
         self.full_flats = full_flats  # stage 2: unit name -> resident full flat buffer
+        self.shaped = shaped  # one rank (`Units.runs_on_shards`): the shards viewed in their parameters' shapes
 
 
 class _Call:
@@ -395,21 +396,29 @@ class shard(Transform):  # noqa: N801
             return value, sharded
         if call.pipelined is not None:  # reduced in gradients_ready, once the schedule returned
             return next(fn, call.pipelined.full_params(params), args, kwargs, has_aux)
-        full_flats = self._full_flats(params, layout) if self.stage == 2 else None
-        shards = self._param_shards(params, layout, full_flats)
+        full_flats, shards = self._flats_and_shards(params, layout)  # (stage 2: found once per state)
         if self.stage == 3:
             shards = call.units.on_compute_device(shards)
         before = call.sharded_applies
         call.units.start_pass()
+        shaped = call.units.runs_on_shards() and not (self.stage == 3 and self.reshard == "recompute")
+        if shaped:
+            # One rank: each shard is its whole parameter. What is differentiated is each viewed in its
+            # parameter's shape, handed to the model as it is (`_apply_on_shards`), and each gradient handed on
+            # as the 1-D shard it stands for, as at stage 1: the views are made here, not in the forward,
+            # whose host time is the one that must hide under the GPU's.
+            shards = {k: v for unit in layout.units for k, v in unit.reshaped(shards).items()}
 
         def loss_on_shards(shard_params, *a, **kw):
-            return fn(ShardedParams(shard_params, full_flats), *a, **kw)
+            return fn(ShardedParams(shard_params, full_flats, shaped), *a, **kw)
 
         value, grads = next(loss_on_shards, shards, args, kwargs, has_aux)
         if call.sharded_applies == before:
             raise RuntimeError(
                 "shard: the loss function did not run the model on the params it was given; under shard, pass "
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        if shaped and grads is not None:
+            grads = {k: g.reshape(-1) for k, g in grads.items()}
         return value, grads
 
     def gradients_ready(self, next, grads):
@@ -492,10 +501,11 @@ class shard(Transform):  # noqa: N801
         in place is refused after it, as a block's would be at more ranks (`refuse_writes`: the same program
         must not train differently on one GPU and on two)."""
         model_call.structure.derived("shard.on_shards", layout, lambda: refuse_container_units(model_call, layout))
-        views = {}
-        for unit in layout.units:
-            views.update(unit.reshaped(params))
-        model_call.params = {**params, **views}
+        if isinstance(params, ShardedParams) and params.shaped:  # (viewed so by `value_and_grad`)
+            views = dict(params)
+        else:
+            views = {k: v for unit in layout.units for k, v in unit.reshaped(params).items()}
+        model_call.params = views
         if tracing():  # (no version counters to check in a compiled step)
             return next(model_call)
         versions = [t._version for t in views.values()]
