@@ -142,7 +142,7 @@ def run_model_call(call: ModelCall) -> Any:
     if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
         transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
-                                lambda: f" under {transforms[0]!r}" if transforms else "")
+                                lambda: f" under {transforms[0]!r}" if transforms else "", structure.shapes_passed)
     outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)

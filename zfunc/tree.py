@@ -17,6 +17,7 @@ Every function here takes and returns plain pytrees; nothing is mutated.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -248,3 +249,23 @@ def still_the_same(refs: list[weakref.ref], tensors: Iterable[torch.Tensor]) -> 
     """Whether ``tensors`` are, one by one and as many, the very tensors ``refs`` were made from (`weak_refs`)."""
     tensors = list(tensors)
     return len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))
+
+
+# -- reads of every tensor of a list, at C speed ----------------------------------------------------------
+# A step reads a few attributes of every parameter (its version, its data pointer, its shape) for checks that
+# pass in the common case; a comprehension makes one Python-level call per tensor and read, which on a GPU
+# host cost more than the kernels some of them guard. ``map`` over these getters makes the same reads from C.
+
+PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+version_of = operator.attrgetter("_version")
+shape_of = operator.attrgetter("shape")
+dtype_of = operator.attrgetter("dtype")
+requires_grad_of = operator.attrgetter("requires_grad")
+
+
+def read_in_c(values: Iterable) -> bool:
+    """Whether ``map`` over the getters above may read every one of ``values``: each is a `torch.Tensor` or
+    `nn.Parameter` (not a subclass, whose attributes may run its own code, nor another object), and dynamo is
+    not tracing (it cannot trace a call of an ``attrgetter``; a compiled step makes these reads once, at its
+    trace, whichever way)."""
+    return not tracing() and PLAIN_TENSOR_TYPES.issuperset(map(type, values))
