@@ -33,6 +33,8 @@ the gradients are final when ``value_and_grad`` returns.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Any, Callable
 
 import torch
@@ -42,7 +44,7 @@ from torch._subclasses.fake_tensor import is_fake
 from zfunc.donation import Finding
 from zfunc.primitives import dispatch, gradients_ready, psum
 from zfunc.step_context import current
-from zfunc.tree import tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
+from zfunc.tree import dtype_of, read_in_c, tree_flatten, tree_leaves, tree_map_with_path, tree_unflatten
 
 
 def value_and_grad(fn: Callable, has_aux: bool = False, *, allow_nonfinite: bool = False) -> Callable:
@@ -209,7 +211,10 @@ def plain_value_and_grad(fn: Callable, params: Any, args: tuple, kwargs: dict, h
 def _autograd_value_and_grad(loss_of: Callable, params: Any):
     """Eager path: fresh leaf views of params, one forward, `torch.autograd.grad`."""
     leaves, spec = tree_flatten(params)
-    inputs = [leaf.detach().requires_grad_() for leaf in leaves]
+    if read_in_c(leaves):  # (the common case: each made by ``map`` in C; this runs for every parameter)
+        inputs = list(map(_requires_grad_, map(_detach, leaves)))
+    else:
+        inputs = [leaf.detach().requires_grad_() for leaf in leaves]
     versions = [x._version for x in inputs]
     with torch.enable_grad():
         try:
@@ -234,9 +239,9 @@ def _autograd_value_and_grad(loss_of: Callable, params: Any):
             "value_and_grad: no parameter received a gradient: the loss does not depend on the params it was "
             "given. Call apply_fn(params, ...) (from zf.functional) inside the loss function, not the module "
             "itself.")
-    if any(g is None for g in grads):
+    if any(map(operator.is_, grads, itertools.repeat(None))):  # (in C: a generator resumes once per parameter)
         _refuse_module_parameters(loss)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+        grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
     return loss, tree_unflatten(spec, grads), aux_tensors
 
 
@@ -340,6 +345,8 @@ def _check_differentiable(params: Any) -> None:
     leaves = tree_leaves(params)
     if not leaves:
         raise ValueError("value_and_grad: params is empty; nothing to differentiate")
+    if read_in_c(leaves) and all(d.is_floating_point or d.is_complex for d in set(map(dtype_of, leaves))):
+        return  # (the common case, from the few distinct dtypes read in C: this runs for every parameter)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"value_and_grad: every leaf of params must be a tensor, got {type(leaf).__name__}")
@@ -348,6 +355,8 @@ def _check_differentiable(params: Any) -> None:
 
 
 
+_detach = torch.Tensor.detach
+_requires_grad_ = torch.Tensor.requires_grad_
 _FUNCTION_APPLY = torch._C._FunctionBase.__dict__["apply"]  # what `torch.autograd.Function.apply` ends in
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 

@@ -34,10 +34,13 @@ is not watched.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any, Iterable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from zfunc.tree import read_in_c
 
 _DATA = torch.Tensor.data  # the getset descriptor; its __get__ arrives as a fresh method-wrapper (compare with ==)
 
@@ -79,8 +82,14 @@ class ParamsWatch:
         """While the ``with`` body runs the model on ``params`` (name -> tensor): route their ``.data``
         through ``detach()`` (with ``see_data_writes``), and refuse after it any whose data pointer moved.
         Nothing is kept once the body ends (a gathered block's buffer may be released then)."""
-        tensors = {name: t for name, t in params.items() if isinstance(t, torch.Tensor)}
-        pointers = _data_pointers(tensors.values())
+        # (Each selection made in C where it can: this runs for every parameter of every block per forward.)
+        tensors = params if all(map(isinstance, params.values(), itertools.repeat(torch.Tensor))) else \
+            {name: t for name, t in params.items() if isinstance(t, torch.Tensor)}
+        # Only a plain tensor has a data pointer to watch (`_data_pointer`): a subclass (shard's stand-in for a
+        # parameter outside its block) may run code when asked for one.
+        plain = tensors if read_in_c(tensors.values()) else \
+            dict(itertools.compress(tensors.items(), map(_PLAIN.__contains__, map(type, tensors.values()))))
+        pointers = _data_pointers(plain.values())
         if self.mode is not None:
             added = [i for i in map(id, tensors.values()) if i not in self.mode.watched]
             self.mode.watched.update(added)
@@ -89,8 +98,10 @@ class ParamsWatch:
         finally:
             if self.mode is not None:
                 self.mode.watched.difference_update(added)
-        moved = [name for name, before, after in zip(tensors, pointers, _data_pointers(tensors.values()))
-                 if before is not None and after != before]
+        after = _data_pointers(plain.values())
+        if after == pointers:  # (the common case: one comparison in C)
+            return
+        moved = [name for name, was, now in zip(plain, pointers, after) if was is not None and now != was]
         if moved:
             raise RuntimeError(
                 f"the model's forward assigns {where}{moved[0]}.data = ...{' (and ' + str(len(moved) - 1) + ' more)' if len(moved) > 1 else ''}: "
@@ -109,19 +120,22 @@ class ParamsWatch:
             self.mode.__exit__(*exc)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _data_pointers(tensors: Iterable[torch.Tensor]) -> list[int | None]:
-    """`_data_pointer` of each tensor: a plain one's read in one comprehension (this runs for every
-    parameter of every block in every forward; a Python call each cost more than the reads)."""
+    """`_data_pointer` of each tensor. This runs for every parameter of every block twice in every forward:
+    in the common case (plain tensors with storage, none wrapped by torch.func) the pointers are read by
+    ``map`` in C, with no Python-level call per tensor; otherwise one by one."""
     tensors = list(tensors)
-    try:
-        return [(t.data_ptr() if not _wrapped(t) else _data_pointer(t)) if type(t) in _PLAIN else None
-                for t in tensors]
-    except RuntimeError:  # a plain tensor without storage: the careful way, one by one
-        return [_data_pointer(t) for t in tensors]
+    if read_in_c(tensors) and not any(map(_wrapped, tensors)):
+        try:
+            return list(map(_data_ptr, tensors))
+        except RuntimeError:  # a plain tensor without storage: the careful way below
+            pass
+    return [_data_pointer(t) for t in tensors]
 
 
 def _data_pointer(t: torch.Tensor) -> int | None:

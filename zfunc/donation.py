@@ -65,6 +65,16 @@ class Pending:
                 raise explain(mine, step)
 
 
+class CopiesStamp(NamedTuple):
+    """The tensors a stack keeps consistent with each other (`zfunc.interpret.check_copies`), as a step left them:
+    each transform's key of them (with its class: ``(owner, key)``, ``owner.copy_names(key)`` names them), and
+    their identities and versions, in order. Holds no tensor."""
+
+    keys: tuple
+    ids: list[int]
+    versions: list[int]
+
+
 class Donation:
     """Whether a state is still usable; a step marks the state it consumed as dead.
 
@@ -78,9 +88,9 @@ class Donation:
 
     def __init__(self) -> None:
         self.dead: str | None = None  # None: alive; else what consumed it
-        # ``(identity, version)`` of the tensors a stack keeps consistent with each other (`Transform.copies`),
-        # as the step that returned the state left them; None: not recorded (a copy, a restored template).
-        self.stamp: dict[str, tuple[int, int]] | None = None
+        # The tensors a stack keeps consistent with each other (`Transform.copied`) as the step that returned
+        # the state left them; None: not recorded (a copy, a restored template).
+        self.stamp: CopiesStamp | None = None
         # What the step that returned the state found on the device (`Pending`), raised at its next use.
         self.pending: Pending | None = None
 

@@ -83,7 +83,7 @@ class FunctionalModel:
                 "apply_fn(full, ...) outside the step.")
         refuse_other_keys(self.model, self.structure.keys, self.aliases, params, where)
         if ctx is None:  # (inside a step, the plain apply checks what the transforms hand it: `run_model_call`)
-            check_shapes_and_dtypes(self.model, self.param_spec, params)
+            check_shapes_and_dtypes(self.model, self.param_spec, params, passed=self.structure.shapes_passed)
         _check_devices(params, args, kwargs)
         call = ModelCall(self.model, params, args, kwargs, self.structure)
         return dispatch("apply", run_model_call, call)

@@ -23,12 +23,13 @@ Transform authors find the interpreter's names here (`Transform`, `Facts`,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 import torch
 
 from zfunc.donation import (  # noqa: F401 (re-exported: the interpreter's names for what it runs)
+    CopiesStamp,
     Donation,
     Finding,
     Pending,
@@ -51,7 +52,7 @@ from zfunc.primitives import (  # noqa: F401 (re-exported, see the module doc)
 )
 from zfunc.state_check import require_state
 from zfunc.step_context import CONTEXT, TRACED, StepContext, current
-from zfunc.tree import tree_leaves
+from zfunc.tree import tree_leaves, version_of
 
 
 class Stack:
@@ -240,10 +241,22 @@ class Transform:
     def init_state(self, state):
         return state
 
+    def copied(self, state) -> tuple[Hashable, list[torch.Tensor]]:
+        """The tensors of ``state`` this transform keeps consistent with each other (a compute copy and its
+        master), and a key that names them: ``copy_names(key)`` gives one name per tensor, for an error. An
+        edit to them between steps is refused (`check_copies`), by the tensors' identities and versions and
+        this key, compared at every step: equal keys must give equal names. Default: none."""
+        return (), []
+
+    @classmethod
+    def copy_names(cls, key: Hashable) -> list[str]:
+        """The names (for an error) of the tensors `copied` returned with ``key``, in its order."""
+        return []
+
     def copies(self, state) -> dict[str, torch.Tensor]:
-        """Tensors of ``state`` this transform keeps consistent with each other (a compute copy and its
-        master), by a name for errors; an edit between steps is refused (`check_copies`). Default: none."""
-        return {}
+        """`copied`'s tensors by their names."""
+        key, tensors = self.copied(state)
+        return dict(zip(self.copy_names(key), tensors))
 
     def copies_explained(self) -> str:
         """What `copies` are, for the error that refuses an edit to them."""
@@ -336,22 +349,30 @@ def fresh_copies(tensors: dict[str, torch.Tensor], state) -> dict[str, torch.Ten
 
 def stamp_copies(state, outermost: Transform) -> None:
     """Record, on ``state``, the identity and version of the tensors that ``outermost`` and the transforms
-    it wraps keep consistent."""
+    it wraps keep consistent (`Transform.copied`)."""
     donation = getattr(state, "donation", None)
     if isinstance(donation, Donation):
-        donation.stamp = {name: (id(t), t._version) for name, t in _copies(state, outermost).items()}
+        keys, tensors = _copied(state, outermost)
+        donation.stamp = CopiesStamp(keys, list(map(id, tensors)), list(map(version_of, tensors)))
 
 
 def check_copies(state, outermost: Transform) -> None:
-    """Refuse a state in which a tensor the stack keeps consistent with another (`Transform.copies`) was
+    """Refuse a state in which a tensor the stack keeps consistent with another (`Transform.copied`) was
     changed or replaced since the step that returned it: the step would silently ignore the edit, or train
     from weights that no longer match it."""
     donation = getattr(state, "donation", None)
     stamp = donation.stamp if isinstance(donation, Donation) else None
-    if not stamp:
+    if stamp is None or not stamp.ids:
         return
+    # The common case, at every step: the same tensors (by identity and version, read in C: this is per
+    # parameter) under the same keys. Otherwise the names decide, as they say which tensor changed.
+    keys, tensors = _copied(state, outermost)
+    if keys == stamp.keys and stamp.ids == list(map(id, tensors)) \
+            and stamp.versions == list(map(version_of, tensors)):
+        return
+    stamped = dict(zip(_copy_names(stamp.keys), zip(stamp.ids, stamp.versions)))
     for name, t in _copies(state, outermost).items():
-        if stamp.get(name) != (id(t), t._version):
+        if stamped.get(name) != (id(t), t._version):
             owner = next(tr for tr in _wrapped(outermost) if name in tr.copies(state))
             raise ValueError(
                 f"{name} was changed (in place or replaced) since {outermost!r} returned this state. "
@@ -375,6 +396,22 @@ def _copies(state, outermost: Transform) -> dict[str, torch.Tensor]:
     for transform in _wrapped(outermost):
         out.update(transform.copies(state))
     return out
+
+
+def _copied(state, outermost: Transform) -> tuple[tuple, list[torch.Tensor]]:
+    """Each transform's `Transform.copied` key (with its class, which names them), and all their tensors."""
+    keys, tensors = [], []
+    for transform in _wrapped(outermost):
+        key, mine = transform.copied(state)
+        if mine:
+            keys.append((type(transform), key))
+            tensors += mine
+    return tuple(keys), tensors
+
+
+def _copy_names(keys: tuple) -> list[str]:
+    """The names of the tensors `_copied` returned with ``keys``."""
+    return [name for owner, key in keys for name in owner.copy_names(key)]
 
 
 def init(step: Callable, state, *, init_device="cpu"):

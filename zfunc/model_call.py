@@ -142,7 +142,7 @@ def run_model_call(call: ModelCall) -> Any:
     if ctx is not None and not tracing():  # (a compiled step is guarded on its tensors' shapes by dynamo)
         transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
-                                lambda: f" under {transforms[0]!r}" if transforms else "")
+                                lambda: f" under {transforms[0]!r}" if transforms else "", structure.shapes_passed)
     outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
@@ -300,7 +300,9 @@ class _BlockOverride:
             return self.body(block_params, *args, **kwargs)
         before = self._module_state()
         out = self.body(block_params, *args, **kwargs)
-        changed = [name for name, mark in self._module_state().items() if before.get(name) != mark]
+        after = self._module_state()
+        # (One comparison of two dicts of ints in the common case: they are read per recomputed block per forward.)
+        changed = [] if after == before else [name for name, mark in after.items() if before.get(name) != mark]
         if changed:
             raise RuntimeError(
                 f"block {self.name!r} changes {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} (a buffer "
@@ -328,7 +330,10 @@ class _BlockOverride:
                 for attr, t in buffers.items():
                     if t is not None:
                         marks[prefix + attr] = (id(t), t._version)
-            for attr, p in module._parameters.items():
+            parameters = module._parameters
+            if not parameters:  # (most of a block's sub-modules: an activation, a dropout, a container)
+                continue
+            for attr, p in parameters.items():
                 if p is None:
                     continue
                 if type(p) is OutsideItsBlock:

@@ -22,6 +22,7 @@ from zfunc.blocks import find_blocks, select_blocks
 from zfunc.compiled import remember, tracing
 from zfunc.data_access import DataReadHistory, ParamsWatch
 from zfunc.reparametrize import SlotTable
+from zfunc.tree import requires_grad_of
 
 T = TypeVar("T")
 # How many objects' derived structures a model keeps per kind (`ModelStructure.derived`): a state's
@@ -50,8 +51,14 @@ class ModelStructure:
                     self.aliases[name] = canonical_of.setdefault(id(p), name)
                     self.trainable.append((name, module._parameters, attr, p))
         self.keys = frozenset(self.aliases.values())
-        # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against.
+        # {key: (shape, dtype)} of each trainable parameter as it is now: what params are checked against, and
+        # what passed the check last (`zfunc.params_check.check_shapes_and_dtypes`).
         self.spec = {name: (p.shape, p.dtype) for name, _, _, p in self.trainable if self.aliases[name] == name}
+        self.shapes_passed: dict = {}
+        # The trainable tensors and their slots, as `_check_trainable` reads them at every call (in C).
+        self._trainable_tensors = [p for _, _, _, p in self.trainable]
+        self._trainable_owners = [where for _, where, _, _ in self.trainable]
+        self._trainable_attrs = [attr for _, _, attr, _ in self.trainable]
         self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
         # The slot tables of the model and of its routed blocks, built now, outside any trace (`SlotTable`).
         self.slot_tables: dict[nn.Module, SlotTable] = {model: SlotTable(model)}
@@ -234,6 +241,16 @@ class ModelStructure:
             self._check_trainable()
 
     def _check_trainable(self) -> None:
+        # The common case, read in C (this runs at every call, for every parameter): each still requires grad,
+        # and so does the tensor its slot holds now (a slot that holds none is looked at below). (Dynamo cannot
+        # trace a call of an attrgetter: a trace reads them one by one.)
+        if not tracing():
+            try:
+                if all(map(requires_grad_of, self._trainable_tensors)) and all(map(
+                        requires_grad_of, map(dict.get, self._trainable_owners, self._trainable_attrs))):
+                    return
+            except AttributeError:  # a slot holding None
+                pass
         for name, where, attr, p in self.trainable:
             # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
             # is only a template); what matters is that it still trains.

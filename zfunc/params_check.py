@@ -25,6 +25,9 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 import torch
 from torch import nn
 
+from zfunc.compiled import remember, tracing
+from zfunc.tree import dtype_of, read_in_c, shape_of
+
 Spec = dict[str, tuple[torch.Size, torch.dtype]]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -82,10 +85,31 @@ def _refuse_extra(model: nn.Module, aliases: dict[str, str], extra: list, where:
 
 
 def check_shapes_and_dtypes(model: nn.Module, spec: Spec, params: dict, skip: Collection = (),
-                            compute_dtype: torch.dtype | None = None, where: str | Callable[[], str] = "") -> None:
+                            compute_dtype: torch.dtype | None = None, where: str | Callable[[], str] = "",
+                            passed: dict | None = None) -> None:
     """Refuse a full tensor of ``params`` (keys in ``skip`` aside) whose shape is not the model's, or whose
     dtype is neither ``compute_dtype`` (what the running transforms compute in) nor, without one, the
-    model's parameter's. ``where`` (or ``where()``, asked only for an error) says where the call ran."""
+    model's parameter's. ``where`` (or ``where()``, asked only for an error) says where the call ran.
+
+    ``passed``: a dict the caller keeps across calls with one ``spec`` (the model's): the shapes and dtypes
+    that last passed, per keys, ``skip``, ``compute_dtype`` and `other_dtypes`, which decide the outcome with
+    them. A call that hands the same (every call of a training run) is checked by one comparison of lists
+    read in C, rather than a Python-level read of each parameter."""
+    seen = None
+    if passed is not None and not tracing():
+        values = list(params.values())
+        if read_in_c(values):  # (a subclass's shape may run its own code: checked below, every call)
+            index = (tuple(params), skip, compute_dtype, _OTHER_DTYPES.get())
+            seen = (list(map(shape_of, values)), list(map(dtype_of, values)))
+            if passed.get(index) == seen:
+                return
+    _check_each(spec, params, skip, compute_dtype, where)
+    if seen is not None:
+        remember(passed, index, seen)
+
+
+def _check_each(spec: Spec, params: dict, skip: Collection, compute_dtype: torch.dtype | None,
+                where: str | Callable[[], str]) -> None:
     for key, (shape, dtype) in spec.items():
         if key in skip:
             continue

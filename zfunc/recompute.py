@@ -43,6 +43,7 @@ gradients when they require them) and any other values.
 from __future__ import annotations
 
 import gc
+import itertools
 import weakref
 from typing import Any, Callable
 
@@ -54,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zfunc.autodiff import under_torch_func_or_compile
 from zfunc.compiled import tracing
 from zfunc.recompute_eager import RngStates, run_recomputed
-from zfunc.tree import tree_flatten, tree_unflatten
+from zfunc.tree import read_in_c, tree_flatten, tree_unflatten, version_of
 
 
 def refuse_running_statistics(norms: list[tuple[str, torch.nn.Module]], who: str, remedy: str) -> None:
@@ -170,8 +171,10 @@ def _checkpoint_eagerly(body: Callable, params: dict, args: tuple, kwargs: dict,
     inputs = [x.host if isinstance(x, _OnHost) else x for x in flat
               if isinstance(x, (torch.Tensor, _OnHost))]
     versions = [t._version for t in inputs]
-    weights = [t for t in params.values() if isinstance(t, torch.Tensor)]
-    weight_versions = [t._version for t in weights]
+    weights = list(params.values())  # (selected and read in C in the common case: this runs per block per forward)
+    if not all(map(isinstance, weights, itertools.repeat(torch.Tensor))):
+        weights = [t for t in weights if isinstance(t, torch.Tensor)]
+    weight_versions = list(map(version_of, weights)) if read_in_c(weights) else [t._version for t in weights]
     runs = [0]
     on_host = any(isinstance(x, _OnHost) for x in flat)
 

@@ -19,6 +19,7 @@ hands the call to ``_reparametrize_module`` itself.
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Iterator
 
 import torch
@@ -28,6 +29,19 @@ from zfunc.compiled import remember, tracing
 
 # (the owning module's _parameters or _buffers dict, attribute name), one per given name
 Slots = list[tuple[dict, str]]
+
+
+class SlotSet:
+    """The slots of one set of names (`Slots`), laid out for `swapped`, which reads and assigns them for every
+    parameter at every call: the owners' dicts and the attributes as two lists (read by ``map`` in C), and
+    whether no slot is given under two names (then a forward's assignment to one is found in C too)."""
+
+    __slots__ = ("attrs", "distinct", "owners")
+
+    def __init__(self, slots: Slots) -> None:
+        self.owners = [where for where, _ in slots]
+        self.attrs = [attr for _, attr in slots]
+        self.distinct = len({(id(where), attr) for where, attr in slots}) == len(slots)
 
 
 class SlotTable:
@@ -76,33 +90,38 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
     key = (module, tuple(tensors))
     slots = cache.get(key)
     if slots is None:
-        slots = remember(cache, key, _find_slots(module, tensors, table) or False)
+        found = _find_slots(module, tensors, table)
+        slots = remember(cache, key, False if found is None else SlotSet(found))
     if slots is False:
         with torch.nn.utils.stateless._reparametrize_module(module, tensors, tie_weights=tie_weights,
                                                              strict=False):
             yield
         return
-    originals = []
+    owners, attrs = slots.owners, slots.attrs
+    originals = list(map(operator.getitem, owners, attrs))
     try:
-        for (where, attr), tensor in zip(slots, tensors.values()):
-            originals.append(where[attr])
+        for where, attr, tensor in zip(owners, attrs, tensors.values()):
             where[attr] = tensor
         yield
         _refuse_reassigned(slots, tensors)
     finally:
-        # In reverse: a slot given under two names (a module at two positions) ends with its first original.
-        for (where, attr), original in reversed(list(zip(slots, originals))):
+        # In reverse: a slot given under two names (a module at two positions) ends with its original (both
+        # entries read it before any was assigned).
+        for where, attr, original in zip(reversed(owners), reversed(attrs), reversed(originals)):
             where[attr] = original
 
 
-def _refuse_reassigned(slots: Slots, tensors: dict[str, torch.Tensor]) -> None:
+def _refuse_reassigned(slots: SlotSet, tensors: dict[str, torch.Tensor]) -> None:
     """Refuse a call whose forward assigned one of the swapped-in tensors (``self.ema = 0.9 * self.ema + ...``):
     restoring the slots would undo the assignment without a word."""
     if tracing():
         return
-    last = {(id(where), attr): tensor for (where, attr), tensor in zip(slots, tensors.values())}  # (a slot given
+    if slots.distinct and all(map(operator.is_, map(operator.getitem, slots.owners, slots.attrs), tensors.values())):
+        return  # (the common case, read in C: every slot holds what was swapped in)
+    pairs = list(zip(slots.owners, slots.attrs))
+    last = {(id(where), attr): tensor for (where, attr), tensor in zip(pairs, tensors.values())}  # (a slot given
     # under two names, a module at two positions, holds the later one)
-    changed = [name for (where, attr), name in zip(slots, tensors) if where[attr] is not last[id(where), attr]]
+    changed = [name for (where, attr), name in zip(pairs, tensors) if where[attr] is not last[id(where), attr]]
     if changed:
         raise RuntimeError(
             f"the model's forward assigns {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}, a tensor "

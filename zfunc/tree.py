@@ -17,6 +17,7 @@ Every function here takes and returns plain pytrees; nothing is mutated.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, Iterable
 
@@ -220,10 +221,16 @@ def _norms(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
     """A readable list of differences between two flat dicts of tensors ("" when they match)."""
-    if expected.keys() == got.keys() and not any(
-            isinstance(e, torch.Tensor) and isinstance(got[k], torch.Tensor) and e.shape != got[k].shape
-            for k, e in expected.items()):
-        return ""  # (the usual case, in one pass: a traced step runs this at every compile)
+    if expected.keys() == got.keys():
+        # The usual case: every shape alike. Read in C where it can (this runs for every parameter at every step);
+        # in one pass otherwise (a traced step runs this at every compile).
+        theirs = list(map(got.__getitem__, expected))
+        if read_in_c(expected.values()) and read_in_c(theirs):
+            if list(map(shape_of, expected.values())) == list(map(shape_of, theirs)):
+                return ""
+        elif not any(isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.shape != g.shape
+                     for e, g in zip(expected.values(), theirs)):
+            return ""
     lines = []
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
@@ -247,4 +254,31 @@ def weak_refs(tensors: Iterable[torch.Tensor]) -> list[weakref.ref]:
 def still_the_same(refs: list[weakref.ref], tensors: Iterable[torch.Tensor]) -> bool:
     """Whether ``tensors`` are, one by one and as many, the very tensors ``refs`` were made from (`weak_refs`)."""
     tensors = list(tensors)
-    return len(refs) == len(tensors) and all(ref() is t for ref, t in zip(refs, tensors))
+    if len(refs) != len(tensors):
+        return False
+    if tracing():
+        return all(ref() is t for ref, t in zip(refs, tensors))
+    return all(map(operator.is_, map(_dereference, refs), tensors))  # (in C: this runs per parameter per step)
+
+
+_dereference = weakref.ref.__call__
+
+
+# -- reads of every tensor of a list, at C speed ----------------------------------------------------------
+# A step reads a few attributes of every parameter (its version, its data pointer, its shape) for checks that
+# pass in the common case; a comprehension makes one Python-level call per tensor and read, which on a GPU
+# host cost more than the kernels some of them guard. ``map`` over these getters makes the same reads from C.
+
+PLAIN_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+version_of = operator.attrgetter("_version")
+shape_of = operator.attrgetter("shape")
+dtype_of = operator.attrgetter("dtype")
+requires_grad_of = operator.attrgetter("requires_grad")
+
+
+def read_in_c(values: Iterable) -> bool:
+    """Whether ``map`` over the getters above may read every one of ``values``: each is a `torch.Tensor` or
+    `nn.Parameter` (not a subclass, whose attributes may run its own code, nor another object), and dynamo is
+    not tracing (it cannot trace a call of an ``attrgetter``; a compiled step makes these reads once, at its
+    trace, whichever way)."""
+    return not tracing() and PLAIN_TENSOR_TYPES.issuperset(map(type, values))

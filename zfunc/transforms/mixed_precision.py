@@ -106,6 +106,7 @@ from zfunc.transforms.mixed_precision_policy import (  # noqa: F401 (describe_po
     describe_policy_codes,
     policy_codes,
 )
+from zfunc.tree import read_in_c
 
 
 class _StepInfo:
@@ -196,13 +197,23 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         )
         return state.replace(params=new_params, opt_state=opt_state, extras={**state.extras, self.name: mp})
 
-    def copies(self, state) -> dict[str, torch.Tensor]:
+    def copied(self, state) -> tuple[tuple, list[torch.Tensor]]:
         mp = state.extras.get(self.name) if isinstance(getattr(state, "extras", None), dict) else None
         if not isinstance(mp, MixedPrecisionState) or not mp.master:
-            return {}
-        out = {f"state.params[{k!r}]": v for k, v in state.params.items() if isinstance(v, torch.Tensor)}
-        out.update((f"state.extras[{self.name!r}].master[{k!r}]", v) for k, v in mp.master.items())
-        return out
+            return (), []
+        params = state.params
+        compute = list(params.values())
+        if read_in_c(compute):  # (the common case, read in C: this runs for every parameter per step)
+            keys = tuple(params)
+        else:
+            keys = tuple(k for k, v in params.items() if isinstance(v, torch.Tensor))
+            compute = [params[k] for k in keys]
+        return (keys, tuple(mp.master)), compute + list(mp.master.values())
+
+    @classmethod
+    def copy_names(cls, key: tuple) -> list[str]:
+        compute, master = key
+        return [*(f"state.params[{k!r}]" for k in compute), *(f"state.extras[{cls.name!r}].master[{k!r}]" for k in master)]
 
     def copies_explained(self) -> str:
         return (f"Under {self!r}, state.params holds the {self.policy.compute_dtype} compute copy of the "

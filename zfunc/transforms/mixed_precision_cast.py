@@ -17,7 +17,7 @@ from torch import nn
 
 from zfunc.compiled import tracing
 from zfunc.transforms.mixed_precision_policy import Policy
-from zfunc.tree import tree_map_tensors
+from zfunc.tree import dtype_of, read_in_c, tree_map_tensors, version_of
 
 
 def run_in_compute_dtype(next: Callable, call, policy: Policy, cast_buffers: bool, who: object):
@@ -31,10 +31,10 @@ def run_in_compute_dtype(next: Callable, call, policy: Policy, cast_buffers: boo
         return t.to(compute) if t.is_floating_point() and t.dtype != compute else t
 
     params = call.params
-    if any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in params.values()):
+    if _needs_cast(list(params.values()), compute):
         params = {k: cast_in(v) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     # (A compiled step has no version counters to read: there the check is not made.)
-    versions = {} if tracing() else {k: v._version for k, v in params.items() if isinstance(v, torch.Tensor)}
+    versions = None if tracing() else versions_of(params)
     with call.structure.lock:  # the module's slots are shared with other threads' calls
         constants, buffers = _constants(call, compute, cast_buffers)
     call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
@@ -44,12 +44,20 @@ def run_in_compute_dtype(next: Callable, call, policy: Policy, cast_buffers: boo
     except RuntimeError as err:
         _explain_running_statistics(call, err, policy, cast_buffers, who)
         raise
-    if versions:
+    if versions is not None:
         refuse_parameter_writes(params, versions, "mixed_precision keeps an fp32 master the write never reaches")
     with call.structure.lock:
         _write_back_buffers(call, buffers)
     return tree_map_tensors(
         lambda t: t.to(output) if t.is_floating_point() and t.dtype != output else t, out)
+
+
+def _needs_cast(values: list, compute: torch.dtype) -> bool:
+    """Whether a floating tensor of ``values`` is not in ``compute`` (under a master, the state's params are
+    the compute copy already: never, in the common case, decided from their few distinct dtypes)."""
+    if read_in_c(values):
+        return any(d.is_floating_point and d != compute for d in set(map(dtype_of, values)))
+    return any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in values)
 
 
 def _explain_running_statistics(call, err: RuntimeError, policy: Policy, cast_buffers: bool, who: object) -> None:
@@ -120,10 +128,24 @@ def _constants(call, compute: torch.dtype, cast_buffers: bool):
     return constants, buffers
 
 
-def refuse_parameter_writes(params: dict, versions: dict, why: str) -> None:
-    """Raise if the forward wrote into one of ``params`` in place (its version counter moved)."""
+def versions_of(params: dict) -> tuple[list, list]:
+    """The keys of ``params`` and the version counter of each value (None for one that is not a tensor), as
+    `refuse_parameter_writes` compares them after a forward (read in C for plain tensors: this runs for every
+    parameter at every call)."""
+    values = list(params.values())
+    if read_in_c(values):
+        return list(params), list(map(version_of, values))
+    return list(params), [v._version if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def refuse_parameter_writes(params: dict, versions: tuple[list, list], why: str) -> None:
+    """Raise if the forward wrote into one of ``params`` in place: its version counter moved from
+    ``versions`` (`versions_of` before the forward)."""
+    if versions_of(params) == versions:  # (the common case: one comparison)
+        return
+    before = {k: n for k, n in zip(*versions) if n is not None}
     for k, v in params.items():
-        if isinstance(v, torch.Tensor) and v._version != versions.get(k, v._version):
+        if isinstance(v, torch.Tensor) and v._version != before.get(k, v._version):
             raise RuntimeError(
                 f"the model's forward wrote into parameter {k!r} in place (e.g. nn.Embedding(max_norm=...) "
                 f"renormalizes its weight during forward), but here the model runs on a copy of it: {why}, so "
