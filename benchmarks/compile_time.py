@@ -15,7 +15,10 @@ and warm figures, the same in CPU seconds (robust to the load of a shared machin
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
 summed over the process's compiles from dynamo's own timers, and ``caches``: the AOTAutograd and FX graph
 cache hits, misses and bypasses (a warm run that misses or bypasses a cache compiles again what the cold run
-stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one). ``--layers`` sets the depth (the tiny
+stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one), and ``kernels``: the fused
+kernels Inductor generated (``generated``, one per launch site) and their distinct sources (``distinct``: each
+defined and built once per graph; a count that grows with the depth would mean identical blocks no longer
+share their kernels). ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
 the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
 search grows faster than the count) by the zfunc, model or script line that made them.
@@ -186,7 +189,28 @@ def measure(args) -> dict:
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
             "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases(),
-            "caches": caches()}
+            "caches": caches(), "kernels": kernels()}
+
+
+def kernels() -> dict:
+    """What Inductor generated in this process (a cold run; a warm one loads its code): ``generated``, the
+    fused kernels of the graphs (one per launch site, as Inductor counts them), and ``distinct``, the kernel
+    sources among them (identical sources are defined and compiled once per graph: the dedupe that spares
+    identical blocks their build) — counts that transfer between the CPU's C++ and the GPU's Triton, where
+    seconds do not."""
+    import glob
+    import re
+
+    from torch._inductor import metrics
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    distinct = 0
+    for path in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
+        with open(path, errors="replace") as f:
+            text = f.read()
+        if "async_compile.wait" in text:  # (a graph's output code: its kernels, each source defined once)
+            distinct += len(re.findall(r"= async_compile\.(?:cpp_pybinding|triton)\(", text))
+    return {"generated": metrics.generated_kernel_count, "distinct": distinct}
 
 
 def cpu_seconds() -> float:
