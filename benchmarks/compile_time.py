@@ -15,7 +15,10 @@ and warm figures, the same in CPU seconds (robust to the load of a shared machin
 dynamo's tracing, Inductor's lowering, scheduling and code generation, the build of the generated code),
 summed over the process's compiles from dynamo's own timers, and ``caches``: the AOTAutograd and FX graph
 cache hits, misses and bypasses (a warm run that misses or bypasses a cache compiles again what the cold run
-stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one). ``--layers`` sets the depth (the tiny
+stored; AOTAutograd's cache refuses a graph holding an autograd Function, for one), and ``kernels``: the fused
+kernels Inductor generated (``generated``, one per launch site) and their distinct sources (``distinct``: each
+defined and built once per graph; a count that grows with the depth would mean identical blocks no longer
+share their kernels). ``--layers`` sets the depth (the tiny
 model's default is 4; blocks dominate a compile from about 12). ``--nodes`` times nothing: it counts
 the operator nodes of each contender's graphs after AOTAutograd (what Inductor schedules; its fusion
 search grows faster than the count) by the zfunc, model or script line that made them.
@@ -178,7 +181,14 @@ def measure(args) -> dict:
     for i in range(1 + args.steps):
         sync()
         start, start_cpu = time.perf_counter(), cpu_seconds()
-        loss = one(i)
+        if i == 0 and args.profile:  # (the first step, its compile, under cProfile: where the seconds go)
+            import cProfile
+
+            profiler = cProfile.Profile()
+            loss = profiler.runcall(one, i)
+            profiler.dump_stats(os.path.join(args.profile, f"{args.one}-{args.tag}.prof"))
+        else:
+            loss = one(i)
         sync()
         times.append(time.perf_counter() - start)
         cpu.append(cpu_seconds() - start_cpu)
@@ -186,7 +196,28 @@ def measure(args) -> dict:
     dist.destroy_process_group()
     return {"first_s": times[0], "step_ms": 1e3 * median, "compile_s": max(0.0, times[0] - median),
             "compile_cpu_s": max(0.0, cpu[0] - statistics.median(cpu[1:])), "loss": float(loss), "phases": phases(),
-            "caches": caches()}
+            "caches": caches(), "kernels": kernels()}
+
+
+def kernels() -> dict:
+    """What Inductor generated in this process (a cold run; a warm one loads its code): ``generated``, the
+    fused kernels of the graphs (one per launch site, as Inductor counts them), and ``distinct``, the kernel
+    sources among them (identical sources are defined and compiled once per graph: the dedupe that spares
+    identical blocks their build) — counts that transfer between the CPU's C++ and the GPU's Triton, where
+    seconds do not."""
+    import glob
+    import re
+
+    from torch._inductor import metrics
+
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    distinct = 0
+    for path in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
+        with open(path, errors="replace") as f:
+            text = f.read()
+        if "async_compile.wait" in text:  # (a graph's output code: its kernels, each source defined once)
+            distinct += len(re.findall(r"= async_compile\.(?:cpp_pybinding|triton)\(", text))
+    return {"generated": metrics.generated_kernel_count, "distinct": distinct}
 
 
 def cpu_seconds() -> float:
@@ -230,7 +261,7 @@ def caches() -> dict:
     return out
 
 
-def run_one(args, name: str, cache: str) -> dict:
+def run_one(args, name: str, cache: str, tag: str = "cold") -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # (zfunc from this checkout)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
            "TORCHINDUCTOR_CACHE_DIR": cache, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
@@ -238,7 +269,8 @@ def run_one(args, name: str, cache: str) -> dict:
     cmd = [sys.executable, __file__, "--one", name, "--model", args.model, "--seq", str(args.seq),
            "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     cmd += ["--nodes"] if args.nodes else []
-    cmd += ["--inductor", args.inductor]
+    cmd += ["--inductor", args.inductor, "--tag", tag]
+    cmd += ["--profile", args.profile] if args.profile else []
     load_before = os.getloadavg()[0]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -266,6 +298,10 @@ def main() -> None:
     p.add_argument("--cold-only", action="store_true",
                    help="one cold run per contender, no warm one (half the time: the figure the 2x goal is about)")
     p.add_argument("--json")
+    p.add_argument("--profile", metavar="DIR",
+                   help="cProfile each run's first step (its compile) into DIR/CONTENDER-cold.prof / -warm.prof "
+                        "(read with python -m pstats; sort by cumulative time); its times then include the profiler's overhead")
+    p.add_argument("--tag", default="cold", help=argparse.SUPPRESS)  # (internal: cold or warm, for --profile)
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
     if args.one:
@@ -274,6 +310,9 @@ def main() -> None:
         with inductor_config.patch(**json.loads(args.inductor)):
             print(json.dumps(measure(args)), flush=True)
         return
+    if args.profile:
+        args.profile = os.path.abspath(args.profile)
+        os.makedirs(args.profile, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# compile_time {args.model} mb={args.micro_batch} seq={args.seq} {device} torch {torch.__version__} "
           f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
@@ -297,7 +336,7 @@ def main() -> None:
         key = name if name not in results else f"{name}#{sum(k.split('#')[0] == name for k in results) + 1}"
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
             results[key] = {"cold": run_one(args, name, cache)}
-            results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache)
+            results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache, "warm")
         print(f"  {key}: {json.dumps(results[key])}", flush=True)
     floor = results.get("floor", {})
     print("\n| contender | cold compile s | vs floor cold | cold compile CPU s | vs floor | warm compile s | vs floor warm "

@@ -219,6 +219,20 @@ def _norms(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _same_keys_and_shapes(expected: dict, got: dict) -> bool:
+    """Whether ``got`` has ``expected``'s keys, and the same shape wherever both hold a tensor (one loop:
+    dynamo interprets a third of the instructions of a key-set comparison and any() over a generator)."""
+    if len(expected) != len(got):
+        return False
+    for k, e in expected.items():
+        if k not in got:
+            return False
+        g = got[k]
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.shape != g.shape:
+            return False
+    return True
+
+
 def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
     """A readable list of differences between two flat dicts of tensors ("" when they match)."""
     if expected.keys() == got.keys():
@@ -228,8 +242,7 @@ def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
         if read_in_c(expected.values()) and read_in_c(theirs):
             if list(map(shape_of, expected.values())) == list(map(shape_of, theirs)):
                 return ""
-        elif not any(isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and e.shape != g.shape
-                     for e, g in zip(expected.values(), theirs)):
+        elif _same_keys_and_shapes(expected, got):
             return ""
     lines = []
     missing = sorted(set(expected) - set(got))

@@ -50,8 +50,11 @@ def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None
     if tensors is None:
         return None
     owner = getattr(tensors[keys[0]], OWNER, None)
-    if owner is None or any(getattr(tensors[k], OWNER, None) is not owner for k in keys[1:]):
+    if owner is None:
         return None
+    for k in keys[1:]:  # (a loop, not any() over a generator: dynamo interprets a third as many instructions)
+        if getattr(tensors[k], OWNER, None) is not owner:
+            return None
     return owner
 
 
@@ -87,7 +90,7 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
       spec: the optimizer's fused form (``tx.fused``).
       params, grads: dicts keyed alike; ``grads`` may be in a lower precision (upcast exactly).
       opt_state: the optimizer state; its moments are written in place where they have owners.
-      runs: the flat runs, each a tuple of keys in buffer order; keys left out must hold no elements.
+      runs: the flat runs, disjoint, each a tuple of keys in buffer order; keys left out must hold no elements.
       compute_dtype, compute_into: also the new parameters in this dtype, written into ``compute_into``'s
         owners where they have them (else returned as new tensors); keys without elements keep
         ``compute_into``'s (empty) tensors.
@@ -97,10 +100,23 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     mu, nu = adam.mu, adam.nu
     if not (isinstance(params, dict) and isinstance(grads, dict) and isinstance(mu, dict) and isinstance(nu, dict)):
         return None
-    covered = {k for run in runs for k in run}
-    # (membership, not a set comparison: dynamo 2.11 cannot trace `<=` between a set and dict keys)
-    if any(k not in covered and p.numel() for k, p in params.items()) or not all(k in params for k in covered):
-        return None
+    # Every key with elements in a run (the runs are disjoint; membership tests, not a set comparison: dynamo 2.11 cannot
+    # trace `<=` between a set and dict keys), and each run's element count, in one pass over the keys.
+    sizes = []
+    covered = 0
+    for run in runs:
+        used = 0
+        for k in run:
+            if k not in params:
+                return None
+            used += params[k].numel()
+        sizes.append(used)
+        covered += len(run)
+    if covered != len(params):
+        counted = {k for run in runs for k in run}
+        for k, p in params.items():
+            if k not in counted and p.numel():
+                return None
     # Each run's operands as ``(tensors, owner)``: one dtype and device within a run (an owner's, else checked
     # key by key), the same across params and moments.
     operands = []
@@ -127,8 +143,7 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     new_params, new_mu, new_nu = {}, {}, {}
     copy = dict(compute_into) if compute_dtype is not None and compute_into is not None else None
     fresh_copy: dict[str, torch.Tensor] = {}
-    for run, owned in zip(runs, operands):
-        used = sum(params[k].numel() for k in run)
+    for run, owned, used in zip(runs, operands, sizes):
         owners = [o for _, o in owned]
         p, m, v = (_read(d, run, used, o) for d, o in owned)
         u = _read(grads, run, used, None)
@@ -141,8 +156,7 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
         v_new = (v * spec.b2).addcmul(u, u, value=1 - spec.b2).to(v.dtype)
         direction = (m_new / bias_correction1.to(m_new.dtype)) / (
             (v_new.sqrt() / bias_correction2_sqrt.to(v_new.dtype)) + spec.eps)
-        start = p if keep is None else _decayed(p, keep, [decays[k] != 0 for k in run],
-                                                [params[k].numel() for k in run])
+        start = p if keep is None else _decayed(p, keep, run, decays, params)
         update = (torch.addcmul(start, direction, neg_lr) - p).to(torch.promote_types(u.dtype, p.dtype))
         p_new = (p + update).to(p.dtype)
         if skip is not None:
@@ -169,12 +183,18 @@ def _one_kind(tensors: dict, keys: tuple[str, ...]) -> tuple[torch.dtype, torch.
     return kind if all((tensors[k].dtype, tensors[k].device) == kind for k in keys[1:]) else None
 
 
-def _decayed(p: torch.Tensor, keep: torch.Tensor, flags: list[bool], sizes: list[int]) -> torch.Tensor:
-    """``p·keep`` where the key's weight decays, ``p`` elsewhere (exactly the per-key choice)."""
-    if all(flags):
+def _decayed(p: torch.Tensor, keep: torch.Tensor, run: tuple[str, ...], decays: dict, params: dict) -> torch.Tensor:
+    """``p·keep`` where the key's weight decays (``decays[key] != 0``), ``p`` elsewhere (exactly the per-key
+    choice); ``p`` is the run's keys' values, in order."""
+    decaying = 0
+    for k in run:  # (a loop: the usual all-or-none case costs dynamo one pass and no per-key lists)
+        decaying += decays[k] != 0
+    if decaying == len(run):
         return p * keep
-    if not any(flags):
+    if not decaying:
         return p
+    flags = [decays[k] != 0 for k in run]
+    sizes = [params[k].numel() for k in run]
     mask = torch.repeat_interleave(torch.tensor(flags, device=p.device), torch.tensor(sizes, device=p.device),
                                    output_size=p.numel())
     return torch.where(mask, p * keep, p)

@@ -516,8 +516,8 @@ class shard(Transform):  # noqa: N801
     def apply_gradients(self, next, state, grads, request):
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
-        keys = set(layout.keys)
-        if set(grads) != keys:
+        keys = layout.keys
+        if grads.keys() != keys:
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
