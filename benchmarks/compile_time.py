@@ -275,7 +275,10 @@ def run_one(args, name: str, cache: str, tag: str = "cold") -> dict:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]}
+        # (The exception's own line: torch prints warnings after it, at exit.)
+        text = (done.stderr or done.stdout).strip().splitlines()
+        errors = [line for line in text if "Error" in line or "Exception" in line] or text
+        return {"error": errors[-1:] or ["no output"]}
     # The 1-minute load average before and after the run: on a shared machine, a compile's time is only
     # comparable to another's made at the same load.
     return {**json.loads(lines[-1]), "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}

@@ -41,7 +41,9 @@ class SlotSet:
     def __init__(self, slots: Slots) -> None:
         self.owners = [where for where, _ in slots]
         self.attrs = [attr for _, attr in slots]
-        self.distinct = len({(id(where), attr) for where, attr in slots}) == len(slots)
+        # (Not asked while dynamo traces, whose 2.11 cannot take the id of a dict: `_refuse_reassigned` checks
+        # nothing in a compiled step.)
+        self.distinct = not tracing() and len({(id(where), attr) for where, attr in slots}) == len(slots)
 
 
 class SlotTable:
