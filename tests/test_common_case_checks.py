@@ -57,47 +57,41 @@ def test_a_parameter_frozen_after_calls_that_passed_is_refused():
     clear_error(lambda: apply_fn(params, X), "blocks.1.down.weight", "requires_grad", exc=ValueError)
 
 
-class _LateDataAssign(nn.Module):
-    """Assigns ``.data`` of its weight at its third forward (the calls before it pass the check)."""
+def _assign_data(lin: nn.Linear) -> None:
+    lin.weight.data = torch.zeros_like(lin.weight)
 
-    def __init__(self) -> None:
+
+def _write_in_place(lin: nn.Linear) -> None:  # (a version bump, no new values)
+    with torch.no_grad():
+        lin.weight.mul_(1.0)
+
+
+class _LateWrite(nn.Module):
+    """Does ``write(self.lin)`` at its third forward (the calls before it pass the check)."""
+
+    def __init__(self, write) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.write = write
         self.calls = 0
 
     def forward(self, x):
         self.calls += 1
         if self.calls == 3:
-            self.lin.weight.data = torch.zeros_like(self.lin.weight)
+            self.write(self.lin)
         return self.lin(x)
 
 
 def test_a_data_assignment_after_calls_that_passed_is_refused():
-    apply_fn, params = zf.functional(_LateDataAssign())
+    apply_fn, params = zf.functional(_LateWrite(_assign_data))
     x = torch.randn(2, 4)
     for _ in range(2):
         apply_fn(params, x)
     clear_error(lambda: apply_fn(params, x), "lin.weight.data", "silently", exc=RuntimeError)
 
 
-class _LateInPlace(nn.Module):
-    """Writes into its weight in place (a version bump, no new values) at its third forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls == 3:
-            with torch.no_grad():
-                self.lin.weight.mul_(1.0)
-        return self.lin(x)
-
-
 def test_an_in_place_write_to_the_compute_copy_after_steps_that_passed_is_refused():
-    apply_fn, params = zf.functional(_LateInPlace())
+    apply_fn, params = zf.functional(_LateWrite(_write_in_place))
 
     def train_step(state, batch):
         loss, grads = zf.value_and_grad(lambda p, x: apply_fn(p, x).float().pow(2).mean())(state.params, batch)
