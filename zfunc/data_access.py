@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from zfunc.tree import read_in_c
+from zfunc.tree import PLAIN_TENSOR_TYPES, read_in_c
 
 _DATA = torch.Tensor.data  # the getset descriptor; its __get__ arrives as a fresh method-wrapper (compare with ==)
 
@@ -88,7 +88,7 @@ class ParamsWatch:
         # Only a plain tensor has a data pointer to watch (`_data_pointer`): a subclass (shard's stand-in for a
         # parameter outside its block) may run code when asked for one.
         plain = tensors if read_in_c(tensors.values()) else \
-            dict(itertools.compress(tensors.items(), map(_PLAIN.__contains__, map(type, tensors.values()))))
+            dict(itertools.compress(tensors.items(), map(PLAIN_TENSOR_TYPES.__contains__, map(type, tensors.values()))))
         pointers = _data_pointers(plain.values())
         if self.mode is not None:
             added = [i for i in map(id, tensors.values()) if i not in self.mode.watched]
@@ -120,7 +120,6 @@ class ParamsWatch:
             self.mode.__exit__(*exc)
 
 
-_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _data_ptr = torch.Tensor.data_ptr
 

@@ -77,7 +77,7 @@ from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
 from zfunc.transforms.shard_units import Units
-from zfunc.tree import tree_map_tensors
+from zfunc.tree import tree_map_tensors, version_of
 
 
 class ShardedParams(dict):
@@ -401,13 +401,13 @@ class shard(Transform):  # noqa: N801
             shards = call.units.on_compute_device(shards)
         before = call.sharded_applies
         call.units.start_pass()
-        shaped = call.units.runs_on_shards() and not (self.stage == 3 and self.reshard == "recompute")
+        shaped = self._runs_on_shards(call.units)
         if shaped:
             # One rank: each shard is its whole parameter. What is differentiated is each viewed in its
             # parameter's shape, handed to the model as it is (`_apply_on_shards`), and each gradient handed on
             # as the 1-D shard it stands for, as at stage 1: the views are made here, not in the forward,
             # whose host time is the one that must hide under the GPU's.
-            shards = {k: v for unit in layout.units for k, v in unit.reshaped(shards).items()}
+            shards = layout.reshaped(shards)
 
         def loss_on_shards(shard_params, *a, **kw):
             return fn(ShardedParams(shard_params, full_flats, shaped), *a, **kw)
@@ -448,8 +448,7 @@ class shard(Transform):  # noqa: N801
                 "differentiate. Differentiate with zf.value_and_grad (or zf.grad) under shard; to vmap, vmap "
                 "inside the loss function given to zf.value_and_grad.")
         layout = call.layout
-        recomputed = self.stage == 3 and self.reshard == "recompute"
-        if units.runs_on_shards() and not recomputed:
+        if self._runs_on_shards(units):
             return self._apply_on_shards(next, model_call, params, layout)
         plan = model_call.structure.derived("shard.apply", layout,
                                             lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
@@ -469,6 +468,7 @@ class shard(Transform):  # noqa: N801
                 root_written = (root_views, [t._version for t in root_views.values()])
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
+        recomputed = self.stage == 3 and self.reshard == "recompute"
         for block in plan.blocks:
 
             def wrapper(name, body, block=block):
@@ -493,6 +493,11 @@ class shard(Transform):  # noqa: N801
             refuse_writes(*root_written, self, "the root unit")
         return out
 
+    def _runs_on_shards(self, units: Units) -> bool:
+        """Whether this call runs the model on the shards themselves (`Units.runs_on_shards`), given whole
+        (`_apply_on_shards`); ``reshard="recompute"`` keeps its recompute of every block."""
+        return units.runs_on_shards() and not (self.stage == 3 and self.reshard == "recompute")
+
     def _apply_on_shards(self, next, model_call, params, layout: ShardLayout):
         """One rank, shards on the compute device, no accumulator fed per unit (`Units.runs_on_shards`): the
         model runs on every unit's shard reshaped, given once for the whole call as at stage 1. No block is
@@ -504,11 +509,11 @@ class shard(Transform):  # noqa: N801
         if isinstance(params, ShardedParams) and params.shaped:  # (viewed so by `value_and_grad`)
             views = dict(params)
         else:
-            views = {k: v for unit in layout.units for k, v in unit.reshaped(params).items()}
+            views = layout.reshaped(params)
         model_call.params = views
         if tracing():  # (no version counters to check in a compiled step)
             return next(model_call)
-        versions = [t._version for t in views.values()]
+        versions = list(map(version_of, views.values()))
         out = next(model_call)
         refuse_writes(views, versions, self, "the model's forward, on one rank")
         return out

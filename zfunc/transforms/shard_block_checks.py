@@ -10,7 +10,6 @@ the buffer is released (`detach_from`).
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch
@@ -18,8 +17,7 @@ import torch.utils._pytree as torch_pytree
 from torch.distributed.tensor import DTensor
 
 from zfunc.compiled import tracing
-
-_version = operator.attrgetter("_version")
+from zfunc.tree import version_of
 
 
 def run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, views: dict,
@@ -29,7 +27,7 @@ def run_checked(body: Callable, block_params: dict, args: tuple, kwargs: dict, v
     when an output holds an object zfunc cannot look inside (which may hold such a view)."""
     if tracing():  # no version counters or storages to check in a compiled step (nor buffers to release)
         return body(block_params, *args, **kwargs)
-    versions = list(map(_version, views.values()))
+    versions = list(map(version_of, views.values()))
     out = body(block_params, *args, **kwargs)
     refuse_writes(views, versions, who, f"block {unit_name!r}")
     return detach_from(out, next(iter(views.values())), opaque)
@@ -43,7 +41,7 @@ def refuse_writes(views: dict[str, torch.Tensor], versions: list[int], who: obje
     stage 2 buffer's views) that the write never leaves; on one rank the views are the shards themselves, so
     the write would land there, and the same program would train differently on one GPU and on two.
     """
-    if list(map(_version, views.values())) == versions:
+    if list(map(version_of, views.values())) == versions:
         return
     written = [key for key, v, before in zip(views, views.values(), versions) if v._version != before]
     # (Views of one gathered buffer share its version counter: then which of them was written is not known.)

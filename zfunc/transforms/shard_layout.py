@@ -332,6 +332,10 @@ class ShardLayout:
     def keys(self) -> frozenset[str]:
         return frozenset(k for u in self.units for k in u.keys)
 
+    def reshaped(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape."""
+        return {k: v for unit in self.units for k, v in unit.reshaped(shards).items()}
+
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
                 "units": [{"name": u.name, "keys": list(u.keys), "shapes": [list(s) for s in u.shapes]}
