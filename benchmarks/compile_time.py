@@ -205,18 +205,14 @@ def kernels() -> dict:
     sources among them (identical sources are defined and compiled once per graph: the dedupe that spares
     identical blocks their build) — counts that transfer between the CPU's C++ and the GPU's Triton, where
     seconds do not."""
-    import glob
     import re
 
     from torch._inductor import metrics
 
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
     distinct = 0
-    for path in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
-        with open(path, errors="replace") as f:
-            text = f.read()
-        if "async_compile.wait" in text:  # (a graph's output code: its kernels, each source defined once)
-            distinct += len(re.findall(r"= async_compile\.(?:cpp_pybinding|triton)\(", text))
+    for path in output_code_files(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")):
+        with open(path, errors="replace") as f:  # (a graph's output code: its kernels, each source defined once)
+            distinct += len(re.findall(r"= async_compile\.(?:cpp_pybinding|triton)\(", f.read()))
     return {"generated": metrics.generated_kernel_count, "distinct": distinct}
 
 
@@ -259,6 +255,27 @@ def caches() -> dict:
     out["graphs"] = counters["stats"]["unique_graphs"]
     out.update({k: sum(v.values()) for k, v in counters.items() if k in ("graph_break", "recompiles") and v})
     return out
+
+
+def output_code_files(cache: str) -> list[str]:
+    """The graphs' output code in an Inductor cache directory: the modules holding ``async_compile.wait``
+    (each defines its graph's kernels once and the ``call`` that launches them)."""
+    import glob
+
+    found = []
+    for path in glob.glob(os.path.join(cache, "**", "*.py"), recursive=True):
+        with open(path, errors="replace") as f:
+            if "async_compile.wait" in f.read():
+                found.append(path)
+    return sorted(found)
+
+
+def keep_output_code(cache: str, into: str) -> None:
+    import shutil
+
+    os.makedirs(into, exist_ok=True)
+    for path in output_code_files(cache):
+        shutil.copy(path, os.path.join(into, os.path.basename(path)))
 
 
 def run_one(args, name: str, cache: str, tag: str = "cold") -> dict:
@@ -304,6 +321,9 @@ def main() -> None:
     p.add_argument("--profile", metavar="DIR",
                    help="cProfile each run's first step (its compile) into DIR/CONTENDER-cold.prof / -warm.prof "
                         "(read with python -m pstats; sort by cumulative time); its times then include the profiler's overhead")
+    p.add_argument("--keep-code", metavar="DIR",
+                   help="copy each contender's generated output code (one .py per graph: its kernels' sources and the "
+                        "wrapper that launches them) into DIR/CONTENDER/, to read what Inductor made of it")
     p.add_argument("--tag", default="cold", help=argparse.SUPPRESS)  # (internal: cold or warm, for --profile)
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
@@ -340,6 +360,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="zfunc-compile-cache-") as cache:
             results[key] = {"cold": run_one(args, name, cache)}
             results[key]["warm"] = results[key]["cold"] if args.cold_only else run_one(args, name, cache, "warm")
+            if args.keep_code:
+                keep_output_code(cache, os.path.join(args.keep_code, key))
         print(f"  {key}: {json.dumps(results[key])}", flush=True)
     floor = results.get("floor", {})
     print("\n| contender | cold compile s | vs floor cold | cold compile CPU s | vs floor | warm compile s | vs floor warm "

@@ -213,3 +213,37 @@ def test_offload_stacks_read_only_for_their_host_work():
         reads = steady_state_reads(name, "clip", stacks=OFFLOAD)
         print(name, reads)
         assert all("optim/" in r or "tiers/" in r or "offload.py" in r for r in reads), (name, reads)
+
+
+def _leaves_on(tree, device_type: str, path: str = "") -> list[str]:
+    """The paths of the tensors in ``tree`` (dicts, sequences, NamedTuples, dataclass-like objects) on
+    ``device_type``."""
+    if isinstance(tree, torch.Tensor):
+        return [path or "(root)"] if tree.device.type == device_type else []
+    if isinstance(tree, dict):
+        return [p for k, v in tree.items() for p in _leaves_on(v, device_type, f"{path}[{k!r}]")]
+    if isinstance(tree, (list, tuple)):
+        names = getattr(tree, "_fields", None) or range(len(tree))
+        return [p for name, v in zip(names, tree) for p in _leaves_on(v, device_type, f"{path}.{name}")]
+    if hasattr(tree, "__dict__"):
+        return [p for k, v in vars(tree).items() for p in _leaves_on(v, device_type, f"{path}.{k}")]
+    return []
+
+
+@pytest.mark.parametrize("name", list(STACKS) + list(OFFLOAD))
+def test_a_step_makes_its_tensors_where_its_state_lives(name):
+    """A tensor a step makes without naming its device lands on the default device, the host's: on a GPU, a
+    host scalar among the step's outputs (a flag, a count) costs a copy per step eagerly and, compiled, a C++
+    kernel and its build (a minute of the compile). With the default device set to ``meta`` for a steady-state
+    step, every such tensor shows up as a meta leaf of the new state or the metrics."""
+    stacks = {**STACKS, **OFFLOAD}
+    _, params, train_step = tiny_lm_step()
+    step = stacks[name](train_step)
+    state = step.init(zf.TrainState.create({k: v.clone() for k, v in params.items()}, _optimizer("clip")))
+    for i in range(WARM_STEPS):
+        state, _ = step(state, make_batch(8, seed=i))
+    batch = make_batch(8, seed=WARM_STEPS)
+    with torch.device("meta"):
+        state, metrics = step(state, batch)
+    made_on_the_default = _leaves_on((state, metrics), "meta")
+    assert not made_on_the_default, f"{name}: made without a device: {made_on_the_default}"

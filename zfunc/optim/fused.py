@@ -356,7 +356,7 @@ class _HostKernel:
         backward included: the update could not start before backward ends.)"""
         if skip is None or "skipped" not in self.__dict__ or count.device.type != "cpu":
             return skip
-        return torch.tensor(self.skipped)
+        return torch.tensor(self.skipped, device=count.device)
 
     @functools.cached_property
     def lr(self) -> float:

@@ -131,7 +131,7 @@ class LossScaler:
         hysteresis_left, at_min)``, ``at_min`` set where an overflow hit the minimum scale. A static
         scaler stays as it is."""
         if self.mode == "static":
-            return scale, good_steps, hysteresis_left, torch.zeros((), dtype=torch.bool)
+            return scale, good_steps, hysteresis_left, torch.zeros((), dtype=torch.bool, device=scale.device)
         exhausted = hysteresis_left <= 1
         drop = overflow & exhausted
         at_min = drop & (scale <= self.min_loss_scale)

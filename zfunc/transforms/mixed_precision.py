@@ -241,7 +241,9 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         info: _StepInfo = self.call_scratch()
         new_state, metrics = self.step(state, batch)
         out = new_state.extras.get(self.name, mp) if isinstance(getattr(new_state, "extras", None), dict) else mp
-        skipped = info.skipped if info.skipped is not None else torch.zeros((), dtype=torch.bool)
+        # (On the scale's device: a host tensor in a compiled GPU step costs a C++ kernel and its build, a minute.)
+        skipped = (info.skipped if info.skipped is not None
+                   else torch.zeros((), dtype=torch.bool, device=out.loss_scale.device))
         return new_state, {**metrics, "loss_scale": out.loss_scale, "skipped": skipped}
 
     # -- primitives ------------------------------------------------------------

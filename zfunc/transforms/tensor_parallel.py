@@ -220,9 +220,10 @@ class tensor_parallel(Transform):  # noqa: N801
     def sum_of_squares(self, next, tree):
         replicated = self.call_scratch()
         if self.rank != 0 and isinstance(tree, dict) and replicated & tree.keys():
+            device = next(iter(tree.values())).device
             tree = {k: v for k, v in tree.items() if k not in replicated}  # counted on tp rank 0 only
-            if not tree:
-                return torch.zeros((), dtype=torch.float32)
+            if not tree:  # (on the leaves' device: this partial sum is all-reduced with the other ranks')
+                return torch.zeros((), dtype=torch.float32, device=device)
         return next(tree)
 
 
