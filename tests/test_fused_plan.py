@@ -192,6 +192,41 @@ def test_plan_kept_while_the_layout_holds_and_rebuilt_when_it_changes(device_pat
 
 
 @quiet
+def test_the_plan_refuses_gradients_laid_out_otherwise(device_path, monkeypatch):
+    """`DevicePlan.grad_addresses`, the check every step makes (from C for plain tensors, key by key
+    otherwise): each way a gradient can leave the plan's layout is refused, and the same gradients pass."""
+    tx = optimizer("adamw", False)
+    params, opt_state, keep = make_state(tx)
+    adam = tx.fused.adam_state(opt_state)
+    fused.fused_update(tx.fused, params, views({}, dtype=torch.bfloat16, seed=10), opt_state)
+    plan = tx.fused.tables[fused._PLAN]
+    flats = {}
+    grads = views(flats, dtype=torch.bfloat16, seed=11)
+
+    def addresses(g):
+        return plan.grad_addresses(params, g, adam.mu, adam.nu, None)
+
+    assert sorted(addresses(grads)) == sorted([flats["u0"].data_ptr(), flats["u1"].data_ptr()])
+    wide = flats["u1"].new_zeros(2 * flats["u1"].numel())
+    shifted = {**grads, "u1.b": wide[:13]}  # one gradient away from its run's first address
+    strided = {**grads, "u1.b": wide[::2][:13]}  # non-contiguous
+    grads_u0 = dict(grads)
+    moved = flats["u0"].clone()  # the run's members each in its own place
+    grads_u0["u0.w"] = moved[:63].view(7, 9)
+    as_float = {**grads, "u1.b": grads["u1.b"].float()}  # another dtype
+    short = {**grads, "u1.b": flats["u1"][65:70]}  # at its address, but of another size
+    for name, bad in {"shifted": shifted, "strided": strided, "moved": grads_u0, "float": as_float,
+                      "short": short}.items():
+        assert addresses(bad) is None, name
+    # A run laid out right but inside a buffer the kernel writes: bf16 views of the second moment's own bytes
+    in_nu = adam.nu["u1.w"].view(-1)[:39].view(torch.bfloat16)  # (78 bf16 elements: u1.w and u1.b)
+    overlapping = {**grads, "u1.w": in_nu[:65].view(5, 13), "u1.b": in_nu[65:78]}
+    assert addresses(overlapping) is None
+    assert addresses({**grads, "u1.w": in_nu.clone()[:65].view(5, 13)}) is None  # (u1.b not after it)
+    assert addresses(grads) is not None  # (and the same gradients still pass)
+
+
+@quiet
 def test_another_state_is_never_updated_through_a_stale_table(device_path, monkeypatch):
     tx = optimizer("adamw", False)
     a = make_state(tx)

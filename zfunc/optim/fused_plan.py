@@ -22,11 +22,18 @@ so a state dropped by its user is freed as before.
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
-from zfunc.tree import still_the_same, weak_refs
+from zfunc.tree import dtype_of, read_in_c, still_the_same, weak_refs
+
+# (Unbound methods, for ``map``: a step reads these of every state tensor and gradient, from C; `read_in_c`
+# says when they may be used, i.e. for plain tensors outside a trace.)
+_data_ptr, _numel, _is_contiguous, _get_device = (torch.Tensor.data_ptr, torch.Tensor.numel,
+                                                 torch.Tensor.is_contiguous, torch.Tensor.get_device)
 
 
 class _Held:
@@ -46,8 +53,9 @@ class _Held:
         """Whether ``d`` holds, key by key, the tensor the plan was built from at its address, or one of its
         dtype and size, contiguous, at that address on the plan's device (e.g. a new view of the same
         buffer)."""
-        tensors = [d[k] for k in keys]
-        if still_the_same(self.refs, tensors) and [t.data_ptr() for t in tensors] == self.ptrs:
+        tensors = list(map(d.__getitem__, keys))
+        if still_the_same(self.refs, tensors) and (
+                list(map(_data_ptr, tensors)) if read_in_c(tensors) else [t.data_ptr() for t in tensors]) == self.ptrs:
             return True  # (the usual step: the very tensors, where they were)
         for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
             if ref() is t:
@@ -57,6 +65,14 @@ class _Held:
                                                    or t.get_device() != device_index or not t.is_contiguous())):
                 return False
         return True
+
+
+def _getter(positions: list[int]):
+    """``xs -> tuple(xs[i] for i in positions)``, made from C (`operator.itemgetter` returns a bare item for
+    one position)."""
+    if len(positions) == 1:
+        return lambda xs: (xs[positions[0]],)
+    return operator.itemgetter(*positions)
 
 
 class DevicePlan:
@@ -75,9 +91,24 @@ class DevicePlan:
         self._held = held  # per state operand (params, mu, nu[, into])
         self._device_index = device.index if device.type == "cuda" else -1  # (Tensor.get_device's number)
         self._grad_runs = grad_runs  # per run: its first key and ((key, byte offset, numel), ...)
-        self._item = torch.empty((), dtype=grad_dtype).element_size()
+        # The same, flat over every run's members in order, for the check made from C (`_grads_at`): each
+        # member's key, byte offset in its run, numel, and the position of its run's first member.
+        members = [member for _, run in grad_runs for member in run]
+        self._member_keys = [k for k, _, _ in members]
+        self._member_offsets = [offset for _, offset, _ in members]
+        self._member_numels = [n for _, _, n in members]
+        heads, firsts = [], []
+        for _, run in grad_runs:
+            firsts.append(len(heads))
+            heads += [firsts[-1]] * len(run)
+        self._head_of_member, self._first_of_run = _getter(heads), _getter(firsts)
+        self._item = item = torch.empty((), dtype=grad_dtype).element_size()
+        self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
         self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
         self._ends = [b for _, b in state_spans]
+        # (padded so that the check from C needs no bounds test: the end before the first buffer, the start
+        # after the last)
+        self._ends_after, self._starts_at = [-1, *self._ends], [*self._starts, float("inf")]
 
     @classmethod
     def build(cls, runs: list[list[str]], decays: dict[str, float], params: dict, grads: dict, mu: dict, nu: dict,
@@ -130,6 +161,23 @@ class DevicePlan:
 
     def _grads_at(self, grads: dict) -> list[int] | None:
         dtype, device_index, item = self.grad_dtype, self._device_index, self._item
+        gs = list(map(grads.__getitem__, self._member_keys))
+        if read_in_c(gs):
+            # The loop below, made from C (this runs at every step, over every parameter): each gradient at its
+            # run's first address plus its offset, of its size and the plan's dtype, contiguous, on the device.
+            bases = tuple(map(operator.sub, map(_data_ptr, gs), self._member_offsets))
+            if (bases != self._head_of_member(bases) or list(map(_numel, gs)) != self._member_numels
+                    or set(map(dtype_of, gs)) != {dtype} or not all(map(_is_contiguous, gs))
+                    or set(map(_get_device, gs)) != {device_index}):
+                return None
+            # `_outside_state` for every run at once
+            starts = self._first_of_run(bases)
+            ends = list(map(operator.add, starts, self._run_bytes))
+            at = list(map(bisect.bisect_right, itertools.repeat(self._starts), starts))
+            if (any(map(operator.gt, map(self._ends_after.__getitem__, at), starts))
+                    or any(map(operator.lt, map(self._starts_at.__getitem__, at), ends))):
+                return None
+            return list(starts)
         ptrs = []
         for first, members in self._grad_runs:
             head = grads[first]
@@ -142,12 +190,16 @@ class DevicePlan:
                 g = grads[k]
                 if g.data_ptr() != base + offset or g.numel() != n or g.dtype != dtype or not g.is_contiguous():
                     return None
-            end = base + members[-1][1] + members[-1][2] * item
-            i = bisect.bisect_right(self._starts, base)  # read-only, but never a buffer the kernel writes
-            if (i and self._ends[i - 1] > base) or (i < len(self._starts) and self._starts[i] < end):
+            if not self._outside_state(base, base + members[-1][1] + members[-1][2] * item):
                 return None
             ptrs.append(base)
         return ptrs
+
+    def _outside_state(self, start: int, end: int) -> bool:
+        """Whether bytes [start, end) overlap none of the state's buffers: a gradient is read-only, but never in
+        a buffer the kernel writes."""
+        i = bisect.bisect_right(self._starts, start)
+        return not ((i and self._ends[i - 1] > start) or (i < len(self._starts) and self._starts[i] < end))
 
     def launch(self, spec, grad_ptrs: list[int] | None, lr: torch.Tensor, step: torch.Tensor,
                divisor: torch.Tensor | None, skip: torch.Tensor | None) -> None:
