@@ -1,15 +1,28 @@
-"""Peak live tensor memory of a ZeRO-3 step, eager vs torch.compile, on CPU with 2 gloo ranks.
+"""Peak live tensor memory of a ZeRO-3 step: eager, torch.compile, and zf.compile_step (the regather pass).
 
-    python benchmarks/compile_memory.py [--backend aot_eager|inductor] [--blocks 6] [--width 256]
+    PYTHONPATH=. python benchmarks/compile_memory.py [--backend aot_eager|inductor] [--blocks 6] [--width 256]
+        [--world 2] [--pg fake|gloo]
 
 The model is weight-heavy on purpose (wide square blocks, a short batch), so the
 peak is dominated by parameters: an eager stage-3 step holds about one block's
 gathered weights at a time (released after its forward, re-gathered for its
 backward), while a step that keeps every gathered block until backward holds
-them all. How the peak is measured: torch.profiler with ``profile_memory=True``
-records every CPU allocation and free with its size; the running sum over the
-events in time order is the bytes of live tensors, and its maximum over the
-step (relative to the bytes live before it) is the peak. Rank 0 reports.
+them all. Contenders: "eager"; "compiled", ``torch.compile(step, fullgraph=True,
+backend=...)`` (one graph: every block's gathered weights live from forward to
+backward); "compile_step", `zfunc.compile_step` (Inductor with the regather
+pass: each block gathered again for its backward; run with ``--backend
+inductor``, the pass being Inductor's). How the peak is measured:
+`zfunc.testing.memory.peak_cpu_bytes` (torch.profiler's allocation records: the
+most bytes of live CPU tensors during one step, above those live before it).
+Rank 0 reports; ``*_blocks`` is the peak in blocks' worth of fp32 weights.
+``--pg fake`` (the default) runs rank 0 alone on torch's fake process group
+(`zfunc.testing.memory.simulated_rank`: the same graph, collectives that move no
+data, a deterministic peak); ``--pg gloo`` runs every rank on gloo, whose worker
+threads hold collective buffers a while after their wait (a noisy peak).
+
+On gloo the eager step is not the bar it is on NCCL: gloo has no reduce-scatter,
+so each unit's gradient is all-reduced at full size, and the eager step keeps
+those buffers until its reductions are waited for at the end of backward.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from torch import nn
 
 import zfunc as zf
 from zfunc.testing import run_distributed
+from zfunc.testing.memory import peak_cpu_bytes, simulated_rank
 from zfunc.transforms import shard
 
 
@@ -38,24 +52,18 @@ class Wide(nn.Module):
         return self.head(x)
 
 
-def peak_bytes(fn) -> int:
-    """Peak of live CPU tensor bytes while ``fn()`` runs, above what was live before (see above)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.events() if e.cpu_memory_usage), key=lambda e: e.time_range.start)
-    live = peak = 0
-    for e in events:
-        live += e.cpu_memory_usage
-        peak = max(peak, live)
-    return peak
+def _compiler(contender: str, backend: str):
+    if contender == "eager":
+        return lambda step: step
+    if contender == "compiled":
+        return lambda step: torch.compile(step, fullgraph=True, backend=backend)
+    return zf.compile_step
 
 
-def worker(width: int, blocks: int, backend: str, steps: int) -> dict:
+def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: int) -> dict:
     rank = torch.distributed.get_rank()
     out = {}
-    for compiled in (False, True):
+    for contender in contenders:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Wide(width, blocks)
@@ -71,7 +79,7 @@ def worker(width: int, blocks: int, backend: str, steps: int) -> dict:
         step = shard(train_step, stage=3)
         state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
         apply_fn.release_module_params()
-        run = torch.compile(step, fullgraph=True, backend=backend) if compiled else step
+        run = _compiler(contender, backend)(step)
         g = torch.Generator().manual_seed(rank)
         batch = {"x": torch.randn(4, width, generator=g), "y": torch.randn(4, 1, generator=g)}
         for _ in range(steps):  # warm up (compiles)
@@ -81,9 +89,14 @@ def worker(width: int, blocks: int, backend: str, steps: int) -> dict:
         def one():
             box["state"], _ = run(box["state"], batch)
 
-        out["compiled" if compiled else "eager"] = peak_bytes(one)
+        out[contender] = peak_cpu_bytes(one)
     out["block_bytes"] = width * (width + 1) * 4
     return out
+
+
+def simulated(world: int, *work) -> dict:
+    with simulated_rank(world):
+        return worker(*work)
 
 
 def main() -> None:
@@ -92,10 +105,16 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=6)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--pg", choices=("fake", "gloo"), default="fake")
     args = p.parse_args()
-    r = run_distributed(worker, 2, args.width, args.blocks, args.backend, args.steps, timeout=1200)[0]
-    r = {**r, "eager_blocks": r["eager"] / r["block_bytes"], "compiled_blocks": r["compiled"] / r["block_bytes"],
-         "args": vars(args)}
+    contenders = ["eager", "compiled"] + (["compile_step"] if args.backend == "inductor" else [])
+    work = (args.width, args.blocks, contenders, args.backend, args.steps)
+    if args.pg == "gloo":
+        r = run_distributed(worker, args.world, *work, timeout=1200)[0]
+    else:
+        r = run_distributed(simulated, 1, args.world, *work, timeout=1200)[0]
+    r = {**r, **{f"{c}_blocks": round(r[c] / r["block_bytes"], 2) for c in contenders}, "args": vars(args)}
     print(json.dumps(r, indent=2))
 
 

@@ -240,6 +240,16 @@ class _Chained(CustomGraphPass):
         return None if mine is None else (mine, self.then.uuid())
 
 
+def inductor_options(mode: str | None, options: dict | None, dynamic: bool | None) -> dict:
+    """The Inductor options `compile_step` hands ``torch.compile``: ``mode``'s (torch takes a mode or options,
+    not both), then ``options``, with `RegatherPass` after a ``post_grad_custom_post_pass`` of the user's."""
+    merged = dict(torch._inductor.list_mode_options(mode, dynamic)) if mode else {}
+    merged.update(options or {})
+    theirs = merged.get(_PASS_OPTION)
+    merged[_PASS_OPTION] = RegatherPass() if theirs is None else _Chained(theirs, RegatherPass())
+    return merged
+
+
 def compile_step(step: Callable, *, fullgraph: bool = True, mode: str | None = None,
                  options: dict | None = None, **compile_kwargs: Any) -> Callable:
     """``torch.compile(step, fullgraph=True, ...)`` with `RegatherPass` run by Inductor on the step's graph.
@@ -252,13 +262,10 @@ def compile_step(step: Callable, *, fullgraph: bool = True, mode: str | None = N
     cache keys the pair only where the user's pass is a ``CustomGraphPass`` with a ``uuid``). The pass
     is Inductor's: another ``backend`` is refused.
     """
-    backend = compile_kwargs.get("backend", "inductor")
+    backend = compile_kwargs.pop("backend", "inductor")
     if backend != "inductor":
         raise ValueError(f"compile_step: backend={backend!r}: the regather pass runs in Inductor only; use "
                          "torch.compile(step, fullgraph=True, backend=...) for another backend (a stage-3 step "
                          "then keeps every block's gathered weights from forward to backward)")
-    merged = dict(torch._inductor.list_mode_options(mode, compile_kwargs.get("dynamic")) if mode else {})
-    merged.update(options or {})
-    theirs = merged.get(_PASS_OPTION)
-    merged[_PASS_OPTION] = RegatherPass() if theirs is None else _Chained(theirs, RegatherPass())
+    merged = inductor_options(mode, options, compile_kwargs.get("dynamic"))
     return torch.compile(step, fullgraph=fullgraph, options=merged, **compile_kwargs)
