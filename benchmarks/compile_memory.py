@@ -19,6 +19,9 @@ Rank 0 reports; ``*_blocks`` is the peak in blocks' worth of fp32 weights.
 (`zfunc.testing.memory.simulated_rank`: the same graph, collectives that move no
 data, a deterministic peak); ``--pg gloo`` runs every rank on gloo, whose worker
 threads hold collective buffers a while after their wait (a noisy peak).
+``--device cuda`` (with ``--pg fake``) runs that rank on the GPU: the peak is
+``torch.cuda.max_memory_allocated`` during the step, above what was allocated
+before it (one GPU measures a rank of a larger world).
 
 On gloo the eager step is not the bar it is on NCCL: gloo has no reduce-scatter,
 so each unit's gradient is all-reduced at full size, and the eager step keeps
@@ -60,13 +63,25 @@ def _compiler(contender: str, backend: str):
     return zf.compile_step
 
 
-def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: int) -> dict:
+def peak_bytes(fn, device: str) -> int:
+    """The peak of live tensor bytes on ``device`` while ``fn()`` runs, above what was live before."""
+    if device == "cpu":
+        return peak_cpu_bytes(fn)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: int, device: str = "cpu") -> dict:
     rank = torch.distributed.get_rank()
     out = {}
     for contender in contenders:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = Wide(width, blocks)
+        model = Wide(width, blocks).to(device)
         apply_fn, params = zf.functional(model)
 
         def loss_fn(p, batch):
@@ -81,22 +96,28 @@ def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: 
         apply_fn.release_module_params()
         run = _compiler(contender, backend)(step)
         g = torch.Generator().manual_seed(rank)
-        batch = {"x": torch.randn(4, width, generator=g), "y": torch.randn(4, 1, generator=g)}
-        for _ in range(steps):  # warm up (compiles)
-            state, _ = run(state, batch)
+        batch = {"x": torch.randn(4, width, generator=g).to(device), "y": torch.randn(4, 1, generator=g).to(device)}
         box = {"state": state}
 
         def one():
             box["state"], _ = run(box["state"], batch)
 
-        out[contender] = peak_cpu_bytes(one)
+        def measured():
+            for _ in range(steps):  # warm up (compiles)
+                one()
+            return peak_bytes(one, device)
+
+        try:
+            out[contender] = measured()
+        except Exception as err:  # (one contender failing keeps the others' figures)
+            out[contender] = f"{type(err).__name__}: {err}"[:300]
     out["block_bytes"] = width * (width + 1) * 4
     return out
 
 
-def simulated(world: int, *work) -> dict:
-    with simulated_rank(world):
-        return worker(*work)
+def simulated(world: int, device: str, *work) -> dict:
+    with simulated_rank(world, device):
+        return worker(*work, device=device)
 
 
 def main() -> None:
@@ -107,14 +128,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--pg", choices=("fake", "gloo"), default="fake")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = p.parse_args()
+    if args.device == "cuda" and args.pg != "fake":
+        p.error("--device cuda runs one simulated rank: --pg fake")
     contenders = ["eager", "compiled"] + (["compile_step"] if args.backend == "inductor" else [])
     work = (args.width, args.blocks, contenders, args.backend, args.steps)
     if args.pg == "gloo":
         r = run_distributed(worker, args.world, *work, timeout=1200)[0]
     else:
-        r = run_distributed(simulated, 1, args.world, *work, timeout=1200)[0]
-    r = {**r, **{f"{c}_blocks": round(r[c] / r["block_bytes"], 2) for c in contenders}, "args": vars(args)}
+        r = (simulated(args.world, "cuda", *work) if args.device == "cuda"  # (no fork after CUDA is used)
+             else run_distributed(simulated, 1, args.world, "cpu", *work, timeout=1200)[0])
+    r = {**r, **{f"{c}_blocks": round(r[c] / r["block_bytes"], 2) for c in contenders if isinstance(r[c], int)},
+         "args": vars(args)}
     print(json.dumps(r, indent=2))
 
 

@@ -53,13 +53,16 @@ the order the collectives were issued in.
 Why it is exact: functional collectives are pure (the same shard gives the
 same buffer), and nothing after this pass merges two gathers (Inductor does
 no common-subexpression elimination after the post-grad passes; the tests
-count the gathers in the graph Inductor compiles). Every rank runs the same
+count the gathers in the code Inductor generates). Every rank runs the same
 pass on a graph of the same structure, so every rank issues the same
 gathers in the same order. The regather is issued one regathered group
 ahead (while the group before it computes: eager's prefetch) and waited for
 just before its group; Inductor's scheduler (``reorder_for_peak_memory``)
 then orders the graph for its own estimate of the peak, which keeps the
-buffers' short lives (measured: ``benchmarks/compile_memory.py``).
+buffers' short lives. Measured (``benchmarks/compile_memory.py``: rank 0 of 2,
+blocks of 256x256 fp32, Adam): a step's peak of live memory 13.4 blocks' worth
+of weights at 12 blocks without the pass, 4.2 with it (7.2 and 4.1 at 6
+blocks): with the pass it no longer grows with the depth.
 
 What it costs: one more all-gather per regathered group (every block but the
 last, and the root), as the eager step's refills; the shard a regather reads

@@ -47,16 +47,30 @@ def peak_cpu_bytes(fn: Callable[[], object]) -> int:
     return max(0, max(total for _, _, total in records) - before)
 
 
+_FAKE_AS_NCCL = "fake_as_nccl"
+
+
 @contextlib.contextmanager
-def simulated_rank(world_size: int) -> Iterator[None]:
+def simulated_rank(world_size: int, device: str = "cpu") -> Iterator[None]:
     """Run the body as rank 0 of ``world_size`` ranks on torch's fake process group (see the module doc),
-    in place of this process's default group (destroyed first: call it in a forked rank of its own)."""
+    in place of this process's default group (destroyed first: call it in a forked rank of its own).
+
+    ``device="cuda"``: the fake group under a backend name holding "nccl", which `zfunc.dist.Group` takes
+    for a GPU group (its device the current CUDA device), so one GPU runs a rank of a larger world.
+    """
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    backend = "fake"
+    if device == "cuda":
+        backend = _FAKE_AS_NCCL
+        if backend.upper() not in dist.Backend._plugins:
+            fake = dist.Backend._plugins["FAKE"]
+            dist.Backend.register_backend(backend, fake.creator_fn, extended_api=fake.extended_api,
+                                          devices=["cuda"])
+    dist.init_process_group(backend, rank=0, world_size=world_size, store=FakeStore())
     try:
         yield
     finally:
