@@ -64,6 +64,8 @@ def _gathers(graph: fx.Graph) -> list[fx.Node]:
 def test_a_weight_read_again_after_another_weight_is_gathered_again():
     graph = _blocks_graph(late_use=True)
     assert regather(graph) == 1
+    done = str(graph)
+    assert regather(graph) == 0 and str(graph) == done  # (a second run finds nothing more to do)
     first, second, again = _gathers(graph)
     assert again.args == first.args  # the same shard, group size and group
     late_mm = list(graph.nodes)[-2]
@@ -124,7 +126,7 @@ def test_compile_step_refuses_another_backend_and_merges_options():
     merged = inductor_options("max-autotune-no-cudagraphs", {"post_grad_custom_post_pass": theirs}, None)
     assert merged["max_autotune"] is True  # (the mode's options, which torch takes only instead of options)
     chained = merged["post_grad_custom_post_pass"]
-    assert isinstance(chained, _Chained) and chained.first is theirs and chained.uuid() is None
+    assert isinstance(chained, _Chained) and chained.first == (theirs,) and chained.uuid() is None
     assert isinstance(inductor_options(None, None, None)["post_grad_custom_post_pass"], RegatherPass)
 
 

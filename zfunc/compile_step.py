@@ -229,18 +229,20 @@ class RegatherPass(CustomGraphPass):
 
 
 class _Chained(CustomGraphPass):
-    """The user's own post-grad pass, then `RegatherPass` (cached only where the user's pass can be)."""
+    """The user's own post-grad passes, then `RegatherPass` (cached only where each of the user's can be)."""
 
-    def __init__(self, first: Callable, then: CustomGraphPass) -> None:
-        self.first, self.then = first, then
+    def __init__(self, first: Callable | list | tuple, then: CustomGraphPass) -> None:
+        self.first = tuple(first) if isinstance(first, (list, tuple)) else (first,)
+        self.then = then
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.first(graph)
+        for user_pass in self.first:
+            user_pass(graph)
         self.then(graph)
 
     def uuid(self) -> Any:
-        mine = self.first.uuid() if isinstance(self.first, CustomGraphPass) else None
-        return None if mine is None else (mine, self.then.uuid())
+        theirs = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.first)
+        return None if None in theirs else (*theirs, self.then.uuid())
 
 
 def inductor_options(mode: str | None, options: dict | None, dynamic: bool | None) -> dict:
