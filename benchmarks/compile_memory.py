@@ -75,44 +75,44 @@ def peak_bytes(fn, device: str) -> int:
     return torch.cuda.max_memory_allocated() - before
 
 
-def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: int, device: str = "cpu") -> dict:
+def contender_peak(contender: str, width: int, blocks: int, backend: str, steps: int, device: str) -> int | str:
+    """One contender's peak over one step of stage 3, after ``steps`` warm-up steps (an error as text)."""
     rank = torch.distributed.get_rank()
-    out = {}
-    for contender in contenders:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Wide(width, blocks).to(device)
-        apply_fn, params = zf.functional(model)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Wide(width, blocks).to(device)
+    apply_fn, params = zf.functional(model)
 
-        def loss_fn(p, batch):
-            return F.mse_loss(apply_fn(p, batch["x"]), batch["y"])
+    def loss_fn(p, batch):
+        return F.mse_loss(apply_fn(p, batch["x"]), batch["y"])
 
-        def train_step(state, batch):
-            loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-            return state.apply_gradients(grads), {"loss": loss}
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
 
-        # (verify compares the units the ranks ran over a gloo group it makes beside a GPU group: there is
-        # no other rank to make it with when one GPU simulates a world)
-        step = shard(train_step, stage=3, verify=device == "cpu")
-        state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
-        apply_fn.release_module_params()
-        run = _compiler(contender, backend)(step)
-        g = torch.Generator().manual_seed(rank)
-        batch = {"x": torch.randn(4, width, generator=g).to(device), "y": torch.randn(4, 1, generator=g).to(device)}
-        box = {"state": state}
+    # (verify compares the units the ranks ran over a gloo group it makes beside a GPU group: there is
+    # no other rank to make it with when one GPU simulates a world)
+    step = shard(train_step, stage=3, verify=device == "cpu")
+    state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
+    apply_fn.release_module_params()
+    run = _compiler(contender, backend)(step)
+    g = torch.Generator().manual_seed(rank)
+    batch = {"x": torch.randn(4, width, generator=g).to(device), "y": torch.randn(4, 1, generator=g).to(device)}
+    box = {"state": state}
 
-        def one():
-            box["state"], _ = run(box["state"], batch)
+    def one():
+        box["state"], _ = run(box["state"], batch)
 
-        def measured():
-            for _ in range(steps):  # warm up (compiles)
-                one()
-            return peak_bytes(one, device)
+    try:
+        for _ in range(steps):  # warm up (compiles)
+            one()
+        return peak_bytes(one, device)
+    except Exception as err:  # noqa: BLE001 (one contender failing keeps the others' figures)
+        return f"{type(err).__name__}: {err}"[:300]
 
-        try:
-            out[contender] = measured()
-        except Exception as err:  # (one contender failing keeps the others' figures)
-            out[contender] = f"{type(err).__name__}: {err}"[:300]
+
+def worker(width: int, blocks: int, contenders: list[str], backend: str, steps: int, device: str = "cpu") -> dict:
+    out = {c: contender_peak(c, width, blocks, backend, steps, device) for c in contenders}
     out["block_bytes"] = width * (width + 1) * 4
     return out
 

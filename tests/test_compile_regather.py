@@ -15,8 +15,7 @@ import operator
 
 import pytest
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 import zfunc as zf
 from tests.shard_cases import build, local_batch, rank_and_world
@@ -28,7 +27,7 @@ aten = torch.ops.aten
 
 
 def _collectives():
-    import torch.distributed._functional_collectives  # noqa: F401 (registers the _c10d_functional ops)
+    import torch.distributed._functional_collectives  # (registers the _c10d_functional ops)
 
     return torch.ops._c10d_functional
 
@@ -66,7 +65,7 @@ def test_a_weight_read_again_after_another_weight_is_gathered_again():
     assert regather(graph) == 1
     done = str(graph)
     assert regather(graph) == 0 and str(graph) == done  # (a second run finds nothing more to do)
-    first, second, again = _gathers(graph)
+    first, _, again = _gathers(graph)
     assert again.args == first.args  # the same shard, group size and group
     late_mm = list(graph.nodes)[-2]
     # The late matmul reads the new gather through copies of the chain (wait -> view -> t) ...
@@ -304,37 +303,37 @@ def _peaks(world: int) -> dict:
 
 
 def _peaks_here() -> dict:
-    rank = torch.distributed.get_rank()
     compilers = {"eager": lambda s: s, "compiled": lambda s: torch.compile(s, fullgraph=True),
                  "compile_step": compile_step}
-    out = {}
-    for name, compiler in compilers.items():
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        apply_fn, params = zf.functional(Wide())
+    return {name: _peak_of(compiler) / (WIDTH * (WIDTH + 1) * 4) for name, compiler in compilers.items()}
 
-        def loss_fn(p, batch):
-            return (apply_fn(p, batch["x"]) - batch["y"]).square().mean()
 
-        def train_step(state, batch):
-            loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
-            return state.apply_gradients(grads), {"loss": loss}
+def _peak_of(compiler) -> int:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    apply_fn, params = zf.functional(Wide())
 
-        step = shard(train_step, stage=3)
-        state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
-        apply_fn.release_module_params()
-        run = compiler(step)
-        g = torch.Generator().manual_seed(rank)
-        batch = {"x": torch.randn(4, WIDTH, generator=g), "y": torch.randn(4, 1, generator=g)}
-        for _ in range(2):
-            state, _ = run(state, batch)
-        box = {"state": state}
+    def loss_fn(p, batch):
+        return (apply_fn(p, batch["x"]) - batch["y"]).square().mean()
 
-        def one():
-            box["state"], _ = run(box["state"], batch)
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(loss_fn)(state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
 
-        out[name] = peak_cpu_bytes(one) / (WIDTH * (WIDTH + 1) * 4)
-    return out
+    step = shard(train_step, stage=3)
+    state = step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3)))
+    apply_fn.release_module_params()
+    run = compiler(step)
+    g = torch.Generator().manual_seed(0)
+    batch = {"x": torch.randn(4, WIDTH, generator=g), "y": torch.randn(4, 1, generator=g)}
+    box = {"state": state}
+
+    def one():
+        box["state"], _ = run(box["state"], batch)
+
+    one()
+    one()
+    return peak_cpu_bytes(one)
 
 
 @pytest.mark.slow  # two Inductor compiles (~40 s on 2 cores)

@@ -82,7 +82,8 @@ from __future__ import annotations
 
 import bisect
 import operator
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters

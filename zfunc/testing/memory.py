@@ -20,7 +20,7 @@ step with the fake group).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 def peak_cpu_bytes(fn: Callable[[], object]) -> int:
