@@ -162,6 +162,10 @@ def _aot_with_pass(step):
     return torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=_regathered))
 
 
+def _aot_without_pass(step):
+    return torch.compile(step, fullgraph=True, backend="aot_eager")
+
+
 def _inductor_with_pass(step):
     return compile_step(step, options={"fx_graph_cache": False})  # (a cached graph would skip the pass)
 
@@ -174,18 +178,24 @@ def _state_of(step, state) -> dict:
     return out
 
 
-def _eager_and_compiled(make, compiler, steps: int = 3) -> dict:
+def _eager_and_compiled(make, compiler, steps: int = 3, without_pass=None) -> dict:
+    """``make(plain_step)`` run eagerly and through ``compiler`` (and ``without_pass``, the same compile
+    without the pass, where given) on this rank: final states, losses, what the pass did."""
     from torch._dynamo.utils import counters
 
     rank, world = rank_and_world()
     out = {}
-    for compiled in (False, True):
+    runs = {"eager": lambda step: step, "without_pass": without_pass, "compiled": compiler}
+    for name, make_run in runs.items():
+        if make_run is None:
+            continue
+        compiled = name == "compiled"
         torch._dynamo.reset()
         counters.clear()
         plain, state = build()
         step = make(plain)
         state = step.init(state)
-        run = compiler(step) if compiled else step
+        run = make_run(step)
         for i in range(steps):
             if compiled and i == 0 and compiler is _inductor_with_pass:  # (the code Inductor generated)
                 from torch._inductor.utils import run_and_get_code
@@ -194,8 +204,8 @@ def _eager_and_compiled(make, compiler, steps: int = 3) -> dict:
                 out["gathers_in_code"] = sum(code.count("all_gather_into_tensor.default(") for code in codes)
                 continue
             state, metrics = run(state, local_batch(i, rank, world))
-        out["compiled" if compiled else "eager"] = _state_of(step, state)
-        out["loss_compiled" if compiled else "loss_eager"] = float(metrics["loss"])
+        out[name] = _state_of(step, state)
+        out[f"loss_{name}"] = float(metrics["loss"])
     out["regathers"] = counters["inductor"]["regather"]
     return out
 
@@ -229,9 +239,16 @@ def test_regathered_step_equals_eager_at_4_ranks(dist):
 @pytest.mark.parametrize("name", ["s3_checkpoint_bf16", "s3_offload_bf16"])
 def test_regathered_stack_equals_eager(dist, name):
     """bf16 mixed precision (the gathers carry the bf16 compute shards) with checkpoint, and with offload
-    (the optimizer state and its update on the host)."""
-    for result in dist(_eager_and_compiled, 2, STACKS[name], _aot_with_pass, timeout=900):
+    (the optimizer state and its update on the host). With checkpoint, also bit for bit the same compile
+    without the pass: the same operations on the same values."""
+    exact = name == "s3_checkpoint_bf16"
+    for result in dist(_eager_and_compiled, 2, STACKS[name], _aot_with_pass,
+                       without_pass=_aot_without_pass if exact else None, timeout=900):
         _check(result, regathers=3)
+        if exact:
+            for key, value in result["without_pass"].items():
+                torch.testing.assert_close(result["compiled"][key], value, rtol=0, atol=0, msg=key)
+            assert result["loss_compiled"] == result["loss_without_pass"]
 
 
 @pytest.mark.slow  # one Inductor compile (~25 s on 2 cores)
