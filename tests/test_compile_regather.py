@@ -20,7 +20,7 @@ from torch import fx, nn
 import zfunc as zf
 from tests.shard_cases import build, local_batch, rank_and_world
 from zfunc.compile_step import RegatherPass, _Chained, compile_step, inductor_options, regather
-from zfunc.testing.memory import peak_cpu_bytes, simulated_rank
+from zfunc.testing.memory import fake_group_copies, peak_cpu_bytes, simulated_rank
 from zfunc.transforms import checkpoint, mixed_precision, offload, shard
 
 aten = torch.ops.aten
@@ -316,6 +316,8 @@ def _peaks(world: int) -> dict:
     (`simulated_rank`: deterministic), in blocks' worth of fp32 weights: eager, ``torch.compile``
     (Inductor) and `compile_step`."""
     with simulated_rank(world):
+        if not fake_group_copies():
+            return {}
         return _peaks_here()
 
 
@@ -360,6 +362,9 @@ def test_compile_step_keeps_about_the_eager_steps_gathered_weights(dist):
     the next one's issued ahead, a block's gradient and its reduction), below the eager step's (20.0 on a
     CPU group, whose gloo path all-reduces each gradient at full size and keeps it until backward ends)."""
     peaks = dist(_peaks, 1, 2, timeout=900)[0]
+    if not peaks:
+        pytest.skip("this torch's fake process group leaves a gather's output unwritten (a step would compute "
+                    "on uninitialized memory)")
     assert peaks["compiled"] > DEPTH, peaks
     assert peaks["compile_step"] < 6, peaks
     assert peaks["compile_step"] < peaks["eager"], peaks

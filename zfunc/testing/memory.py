@@ -20,6 +20,7 @@ step with the fake group).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 
 
@@ -75,3 +76,18 @@ def simulated_rank(world_size: int, device: str = "cpu") -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def fake_group_copies(device: str = "cpu") -> bool:
+    """Whether the fake process group in force fills a gather's output (each rank's part a copy of this
+    rank's input, as torch 2.13's does): where it leaves the output as it was allocated, a step computes
+    on uninitialized memory, which may hold a NaN (and zfunc stops a step whose loss is not finite)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.ones(2, device=device)
+    out = torch.zeros(2 * dist.get_world_size(), device=device)
+    with warnings.catch_warnings():  # (torch 2.13 names it all_gather_single; 2.11 has no such name)
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_into_tensor(out, mine)
+    return bool(out.eq(1).all())
