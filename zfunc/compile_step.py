@@ -54,8 +54,10 @@ Why it is exact: functional collectives are pure (the same shard gives the
 same buffer), and nothing after this pass merges two gathers (Inductor does
 no common-subexpression elimination after the post-grad passes; the tests
 count the gathers in the code Inductor generates). Every rank runs the same
-pass on a graph of the same structure, so every rank issues the same
-gathers in the same order. The regather is issued one regathered group
+pass on a graph of the same structure, so every rank inserts the same
+gathers at the same places, and Inductor, scheduling graphs of the same
+structure, issues the collectives in the same order on every rank (checked
+in the code generated for two ranks of a 6-block step). The regather is issued one regathered group
 ahead (while the group before it computes: eager's prefetch) and waited for
 just before its group; Inductor's scheduler (``reorder_for_peak_memory``)
 then orders the graph for its own estimate of the peak, which keeps the
