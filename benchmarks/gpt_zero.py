@@ -26,7 +26,10 @@ the pure AdamW update in one graph) and ``floor-compiled`` (the floor's model un
 ``torch.compile``, torch fused AdamW), each with ``compile_s``: the wall time of
 the first step (the compile) less a timed step's median. ``zfunc-s3[-checkpoint]-blocks``
 is regional compile (`zfunc.transforms.compile_blocks`: each block's forward compiled, once
-for all identical blocks; the step eager). ``--contenders`` may name
+for all identical blocks; the step eager). ``zfunc-s3[-checkpoint]-regather`` is
+`zfunc.compile_step` (the whole-step compile with Inductor's regather pass: each block's
+gathered weights gathered again for its backward; at one rank the same graph as
+``-compiled``); not in ``--compile``'s list. ``--contenders`` may name
 them directly; ``--smoke`` runs the tiny model for 2 steps on whatever is there
 (the CPU with gloo when no GPU), to check the script end to end.
 """
@@ -96,7 +99,7 @@ def lm_loss(logits, tokens):
 
 
 def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoint=False, compiled=False,
-              regional=False):
+              regional=False, regather=False):
     import zfunc as zf
     from zfunc.interpret import Transform
     from zfunc.transforms import checkpoint, mixed_precision, offload, shard
@@ -155,7 +158,7 @@ def run_zfunc(args, stage, use_offload, device, reshard="release", use_checkpoin
     apply_fn.release_module_params()
     if compiled:
         torch._dynamo.reset()  # each compiled contender compiles from scratch, as it would alone
-    run = torch.compile(step, fullgraph=True) if compiled else step
+    run = zf.compile_step(step) if regather else torch.compile(step, fullgraph=True) if compiled else step
 
     def one(i):
         nonlocal state
@@ -572,8 +575,9 @@ def main():
             elif name.startswith("zfunc-s"):
                 r = run_zfunc(args, int(name[7]), "offload" in name, device,
                               reshard="recompute" if name.endswith("recompute") else "release",
-                              use_checkpoint="-checkpoint" in name, compiled=name.endswith("compiled"),
-                              regional=name.endswith("-blocks"))
+                              use_checkpoint="-checkpoint" in name,
+                              compiled=name.endswith(("compiled", "-regather")),
+                              regional=name.endswith("-blocks"), regather=name.endswith("-regather"))
             elif name.startswith("ds-z"):
                 r = run_deepspeed(args, int(name[4]), name.endswith("offload"), device)
             else:
@@ -584,7 +588,7 @@ def main():
                 + (f"b2b {r['back_to_back_ms']:.1f} ms " if "back_to_back_ms" in r else "")
                 + f"{r['tokens_per_s'] / 1e3:7.1f}k tok/s  alloc {r['peak_alloc_gib']:5.1f} GiB  "
                 f"reserved {r['peak_reserved_gib']:5.1f} GiB  loss {r['loss']:.4f}"
-                + (f"  compile {r['compile_s']:.1f} s" if name.endswith(("compiled", "-blocks")) else "")
+                + (f"  compile {r['compile_s']:.1f} s" if name.endswith(("compiled", "-blocks", "-regather")) else "")
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "

@@ -55,6 +55,18 @@ if [[ $PARTS == *largest* ]]; then
     --tokens-per-step "${LARGEST_TOKENS:-32768}" --micro-batch "${LARGEST_MB:-8}" --nvme-dir "${NVME_DIR:-/tmp/zfunc-nvme}" \
     --limit-s "${LARGEST_RUN_LIMIT:-400}" --json "$OUT/largest${TAG:-}.json" ${LARGEST_EXTRA:-}
 fi
+if [[ $PARTS == *regather* ]]; then
+  # zf.compile_step's regather pass: its CPU tests on this machine's torch (gloo and the fake process group;
+  # run before any CUDA work in their own process), the peak of one stage-3 step on the GPU as rank 0 of 2
+  # simulated ranks (torch's fake process group: one GPU measures a rank of a larger world) with and without
+  # the pass, and GPT-2's whole-step compile on one GPU with the pass (a no-op at one rank: it checks that
+  # the step compiles and runs with it; REGATHER_MODEL=medium for the table's model, a compile of minutes).
+  run regather_tests ${REGATHER_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider tests/test_compile_regather.py
+  run regather_memory 300 python3 benchmarks/compile_memory.py --backend inductor --device cuda --world 2 \
+    --width 4096 --blocks 12
+  run regather_single 500 torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "${REGATHER_MODEL:-tiny}" \
+    --steps "$STEPS" --contenders zfunc-s3-compiled,zfunc-s3-regather
+fi
 if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
     --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s3,zfunc-s3-checkpoint,zfunc-s2-offload,zfunc-s3-offload,fsdp2,ds-z2,ds-z3,ds-z2-offload} \

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transforms", ("transforms",)),
     ("planner", ("plan_activations", "plan")),
     ("checkpoints and migration", ("io", "deepspeed", "launch")),
-    ("entry points", ("cli", "__main__", "testing", "__init__")),
+    ("entry points", ("compile_step", "cli", "__main__", "testing", "__init__")),
     # Built on the public API (``import zfunc as zf``) like a user's code; optional dependencies.
     ("trainer integrations", ("hf", "lightning")),
 ]

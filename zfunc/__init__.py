@@ -12,6 +12,7 @@
 from zfunc import deepspeed, io, optim, tree
 from zfunc._version import VERSION
 from zfunc.autodiff import grad, value_and_grad
+from zfunc.compile_step import compile_step
 from zfunc.functional import FunctionalModel, ModelCall, functional
 from zfunc.interpret import Transform, gather, init
 from zfunc.plan import MemoryPlan, describe, plan
@@ -23,6 +24,6 @@ from zfunc.transforms.compile_blocks import compile_blocks
 __version__ = VERSION
 
 __all__ = [
-    "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "compile_blocks", "deepspeed", "describe", "functional", "gather",
+    "FunctionalModel", "MemoryPlan", "ModelCall", "TrainState", "Transform", "accumulate", "compile_blocks", "compile_step", "deepspeed", "describe", "functional", "gather",
     "grad", "init", "io", "optim", "plan", "psum", "tree", "value_and_grad",
 ]

@@ -36,9 +36,11 @@ call, so the eager step is unchanged):
   recompute's saved-tensor hooks (and torch's checkpoint region) are refused, and an ``autograd.Function`` that
   re-runs the block under a nested ``torch.func.vjp`` in its backward fails
   in functorch's level bookkeeping (torch 2.11 and 2.13). So the graph keeps
-  a block's activations, and at stage 3 its gathered weights, from forward to
-  backward; `zfunc.transforms.compile_blocks` (regional compile: the blocks
-  compiled, the step eager) keeps the eager step's memory.
+  a block's activations from forward to backward, and at stage 3 its gathered
+  weights, unless the step is compiled with `zfunc.compile_step` (an Inductor
+  pass that gathers them again for backward, in the graph);
+  `zfunc.transforms.compile_blocks` (regional compile: the blocks compiled,
+  the step eager) keeps the eager step's memory.
 - identical blocks are traced and compiled once per block, not once for
   all: ``torch.compiler.nested_compile_region`` and dynamo's graph
   deduplication refuse the functorch wrappers of the step's

@@ -32,6 +32,7 @@ its collective until the process group's own timeout), the bounded waits with
 `zfunc.dist.CollectiveError` (the group's timeout applies instead), and the
 stage-3 release/refill of gathered blocks (a compiled graph keeps a gathered
 block's weights from its forward to its backward: see `zfunc.compiled`;
+`zfunc.compile_step` gathers them again for backward in the graph;
 `zfunc.transforms.compile_blocks` compiles the blocks and keeps the eager
 release).
 """
