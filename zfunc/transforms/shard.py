@@ -51,13 +51,14 @@ volumes.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from zfunc import dist
-from zfunc.compiled import tracing
+from zfunc.compiled import dict_of, same_keys, tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
 from zfunc.optim.flat import OWNER
@@ -89,7 +90,8 @@ class ShardedParams(dict):
     """
 
     def __init__(self, shards: dict, full_flats: dict[str, torch.Tensor] | None, shaped: bool = False) -> None:
-        super().__init__(shards)
+        super().__init__()
+        self.update(shards)  # (not ``__init__(shards)``: dynamo interprets that per key, ``update`` in one step)
         self.full_flats = full_flats  # stage 2: unit name -> resident full flat buffer
         self.shaped = shaped  # one rank (`Units.runs_on_shards`): the shards viewed in their parameters' shapes
 
@@ -289,7 +291,7 @@ class shard(Transform):  # noqa: N801
                 "to reshard it for this world size")
         if layout.stage != self.stage:
             raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
-        if state.params.keys() != layout.keys:
+        if not same_keys(state.params, layout.keys):
             missing, extra = sorted(layout.keys - state.params.keys()), sorted(state.params.keys() - layout.keys)
             raise ValueError(f"{self!r}: state.params do not match the state's shard layout (missing: {missing[:6]}, "
                              f"unexpected: {extra[:6]}); use the state that step.init or the step returned")
@@ -315,7 +317,7 @@ class shard(Transform):  # noqa: N801
                       flats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This rank's 1-D slices of the parameters (views, no copy)."""
         if layout.stage == 3:
-            return dict(params)
+            return {**params}
         if tracing():
             return param_shards(params, layout)
         flats = self._full_flats(params, layout) if flats is None else flats
@@ -330,7 +332,7 @@ class shard(Transform):  # noqa: N801
         and the params themselves). The shards are a dict of the caller's own, the tensors the same views
         step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
         if self.stage == 3:
-            return None, dict(params)
+            return None, {**params}
         if tracing() or not params:
             flats = self._full_flats(params, layout)
             return flats, self._param_shards(params, layout, flats)
@@ -339,7 +341,7 @@ class shard(Transform):  # noqa: N801
             flats = self._full_flats(params, layout)
             found = (flats, self._param_shards(params, layout, flats))
             layout.state_views.put(params, *found)
-        return found[0], dict(found[1])
+        return found[0], {**found[1]}
 
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
@@ -418,7 +420,7 @@ class shard(Transform):  # noqa: N801
                 "shard: the loss function did not run the model on the params it was given; under shard, pass "
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
         if shaped and grads is not None:
-            grads = {k: g.reshape(-1) for k, g in grads.items()}
+            grads = dict_of(grads, map(torch.flatten, grads.values()))  # (by ``map``: natively in a trace)
         return value, grads
 
     def gradients_ready(self, next, grads):
@@ -453,7 +455,7 @@ class shard(Transform):  # noqa: N801
         plan = model_call.structure.derived("shard.apply", layout,
                                             lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
-        new_params = dict(params)
+        new_params = {**params}
         root = layout.unit_of_name(ROOT)
         root_written = None  # version counters to check after the forward (see below)
         if root is not None:
@@ -507,7 +509,7 @@ class shard(Transform):  # noqa: N801
         must not train differently on one GPU and on two)."""
         model_call.structure.derived("shard.on_shards", layout, lambda: refuse_container_units(model_call, layout))
         if isinstance(params, ShardedParams) and params.shaped:  # (viewed so by `value_and_grad`)
-            views = dict(params)
+            views = {**params}
         else:
             views = layout.reshaped(params)
         model_call.params = views
@@ -522,7 +524,7 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
         keys = layout.keys
-        if grads.keys() != keys:
+        if not same_keys(grads, keys):
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
@@ -536,9 +538,11 @@ class shard(Transform):  # noqa: N801
             # 2.11 cannot trace `is` between two dicts, and the loop below then copies nothing that is itself.)
             if not tracing() and fresh is old:
                 return old
-            for k, t in old.items():
-                if fresh[k] is not t:
-                    t.copy_(fresh[k])
+            news = list(map(fresh.__getitem__, old))
+            if False in list(map(operator.is_, news, old.values())):  # (per key only where some tensor is new)
+                for t, new in zip(old.values(), news):
+                    if new is not t:
+                        t.copy_(new)
             return old
 
         write_back(shards, new.state.params)
