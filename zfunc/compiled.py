@@ -62,6 +62,8 @@ What needs no other route: a wrapped block's forward is routed by a
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, NamedTuple, TypeVar
 
 import torch
@@ -115,6 +117,23 @@ def all_true(flags: Iterable) -> bool:
     if torch.compiler.is_dynamo_compiling():
         return False not in list(flags)
     return all(flags)
+
+
+def init_fields(cls: type) -> tuple[str, ...]:
+    """The names of a dataclass's fields, for `replaced`; each must be an ``__init__`` argument."""
+    fields = dataclasses.fields(cls)
+    if not all(f.init for f in fields):
+        raise TypeError(f"{cls.__name__} has fields outside __init__: replace it with dataclasses.replace")
+    return tuple(f.name for f in fields)
+
+
+def replaced(obj: T, names: tuple[str, ...], changes: dict) -> T:
+    """``dataclasses.replace(obj, **changes)`` for a dataclass of exactly the fields ``names`` (`init_fields`), built
+    from the fields read by ``map``: dynamo interprets ``dataclasses.replace`` field by field, guarding each
+    field's metadata, at every state, fact and model call a step replaces."""
+    fields = dict_of(names, map(getattr, itertools.repeat(obj), names))
+    fields.update(changes)
+    return type(obj)(**fields)
 
 
 # --------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from zfunc.compiled import dict_of, tracing
+from zfunc.compiled import dict_of, init_fields, replaced, tracing
 from zfunc.data_access import ParamsWatch
 from zfunc.interpret import current
 from zfunc.model_structure import ModelStructure, OutsideItsBlock
@@ -73,6 +73,10 @@ class ModelCall:
     # blocks of other stages and ends its stage's forward after its last block). See `intercept`.
     intercepts: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
+    def replace(self, **changes: Any) -> "ModelCall":
+        """A copy with some fields replaced (``dataclasses.replace``, as `zfunc.compiled.replaced` makes it)."""
+        return replaced(self, _FIELDS, changes)
+
     @property
     def aliases(self) -> dict[str, str]:
         """Every trainable qualified name, tied ones included -> its key in params."""
@@ -114,6 +118,9 @@ class ModelCall:
     def block_param_names(self, name: str) -> dict[str, str]:
         """``{local name: params key}`` of the trainable parameters of block ``name``."""
         return self.structure.block_param_names(name)
+
+
+_FIELDS = init_fields(ModelCall)
 
 
 # --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from zfunc.compiled import tracing
+from zfunc.compiled import init_fields, replaced, tracing
 from zfunc.donation import Donation, check_laid_out_by
 from zfunc.primitives import UpdateRequest, Updated, dispatch
 from zfunc.step_context import current
@@ -98,7 +98,11 @@ class TrainState:
         # in by ``replace`` is refused like one edited in place (`zfunc.interpret.check_copies`).
         donation.stamp = self.donation.stamp
         donation.pending = self.donation.pending  # (an error the step that made it found: raised at next use)
-        return dataclasses.replace(self, donation=donation, **changes)
+        if type(self) is not TrainState:  # (a subclass may have fields of its own)
+            return dataclasses.replace(self, donation=donation, **changes)
+        if "donation" in changes:
+            raise TypeError("TrainState.replace: the donation record is not replaced")
+        return replaced(self, _FIELDS, {**changes, "donation": donation})
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
@@ -214,3 +218,4 @@ def _unflatten(static, children) -> TrainState:
 
 
 register_pytree_node(TrainState, _flatten, _unflatten)
+_FIELDS = init_fields(TrainState)

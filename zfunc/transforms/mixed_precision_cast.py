@@ -9,7 +9,6 @@ the user is in `zfunc.transforms.mixed_precision`'s module doc (``apply``).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -38,8 +37,8 @@ def run_in_compute_dtype(next: Callable, call, policy: Policy, cast_buffers: boo
     versions = None if tracing() else versions_of(params)
     with call.structure.lock:  # the module's slots are shared with other threads' calls
         constants, buffers = _constants(call, compute, cast_buffers)
-    call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
-                               kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
+    call = call.replace(params=params, args=tree_map_tensors(cast_in, call.args),
+                        kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
     try:
         out = next(call)
     except RuntimeError as err:
