@@ -61,7 +61,7 @@ from zfunc import dist
 from zfunc.compiled import dict_of, same_keys, tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
-from zfunc.optim.flat import OWNER
+from zfunc.optim.flat import OWNER, owner_of
 from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
@@ -404,6 +404,9 @@ class shard(Transform):  # noqa: N801
         before = call.sharded_applies
         call.units.start_pass()
         shaped = self._runs_on_shards(call.units)
+        flats = _unit_flats(shards, layout) if shaped and tracing() and current().facts.tp == 1 else None
+        if flats is not None:
+            return self._value_and_grad_of_flats(next, fn, flats, layout, full_flats, before, args, kwargs, has_aux)
         if shaped:
             # One rank: each shard is its whole parameter. What is differentiated is each viewed in its
             # parameter's shape, handed to the model as it is (`_apply_on_shards`), and each gradient handed on
@@ -421,6 +424,32 @@ class shard(Transform):  # noqa: N801
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
         if shaped and grads is not None:
             grads = dict_of(grads, map(torch.flatten, grads.values()))  # (by ``map``: natively in a trace)
+        return value, grads
+
+    def _value_and_grad_of_flats(self, next, fn, flats: dict, layout: ShardLayout, full_flats, before: int,
+                                 args, kwargs, has_aux):
+        """`value_and_grad` at one rank while dynamo traces, where every unit's shards are views of its flat
+        buffer (``flats``): what is differentiated is each unit's flat buffer, the model given each parameter
+        as a view of it, and each gradient handed on as the 1-D part of its unit's. The same numbers as
+        differentiating every parameter; what torch.func.vjp wraps and unwraps, interpreted by dynamo leaf by
+        leaf (~150 instructions each), is one tensor per unit, and the backward graph makes each unit's
+        gradient in one piece."""
+        call: _Call = self.call_scratch()
+
+        def loss_on_flats(flat_params, *a, **kw):
+            views: dict = {}
+            for unit in layout.units:
+                views.update(unit.split_views(flat_params[unit.name]))
+            return fn(ShardedParams(views, full_flats, True), *a, **kw)
+
+        value, flat_grads = next(loss_on_flats, flats, args, kwargs, has_aux)
+        if call.sharded_applies == before:
+            raise RuntimeError(
+                "shard: the loss function did not run the model on the params it was given; under shard, pass "
+                "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        grads: dict = {}
+        for unit in layout.units:
+            grads.update(unit.split_flat(flat_grads[unit.name]))
         return value, grads
 
     def gradients_ready(self, next, grads):
@@ -569,6 +598,18 @@ def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Te
     for view in views.values():
         setattr(view, OWNER, flat_shard)
     return views
+
+
+def _unit_flats(shards: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | None:
+    """``{unit name: the flat buffer its keys' shards are views of}`` where every unit's shards are, in order,
+    the whole of one buffer of their own (`owned_views` at one rank), else None."""
+    flats = {}
+    for unit in layout.units:
+        flat = owner_of(shards, unit.keys)
+        if flat is None or flat.dim() != 1 or flat.numel() != unit.padded or unit.padded != unit.numel:
+            return None
+        flats[unit.name] = flat
+    return flats
 
 
 def _under_torch_func() -> bool:

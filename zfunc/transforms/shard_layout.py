@@ -165,10 +165,12 @@ class UnitLayout:
         """`full_views` made by one ``split``: what a traced step uses, where it is one node of the graph (not a
         slice and a view per key), and its gradient one concatenation (not a zero-filled scatter per key
         summed into the unit's gradient)."""
+        return self.reshaped(self.split_flat(flat_full))
+
+    def split_flat(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each key's 1-D part of a full flat buffer, by one ``split`` (the padding left out)."""
         sizes = self.numels + ((self.padded - self.numel,) if self.padded > self.numel else ())
-        parts = flat_full.split(sizes)
-        return {key: part if len(shape) == 1 else part.view(shape)
-                for key, part, shape in zip(self.keys, parts, self.shapes)}
+        return dict_of(self.keys, flat_full.split(sizes))
 
     def reshaped(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each key's tensor in ``slices`` viewed in its parameter's shape: at world size 1, where a shard
