@@ -50,10 +50,14 @@ time grows with the tensors the traced code touches, each a graph input it wraps
 (a view of a flat buffer costing about twice a tensor of its own), and with the Python it
 interprets per parameter. A stage 3 step with a master copy and Adam touches four views per
 parameter (the compute shard, the master, both moments) against the floor's one parameter, so
-per-key work while tracing is kept out of the way (computed once, or only where an error is
-raised). At world size 1 the graph holds no autograd Function (the model runs on the shards themselves,
-`zfunc.transforms.shard_units.Units.runs_on_shards`), so
-AOTAutograd's cache, which refuses one, spares a warm run the joint graph's trace.
+per-key work while tracing is kept out of the way: computed once (tables built with the layout or
+the model's structure), made only where an error is raised, or written in the forms dynamo runs
+natively (see "Per-key work" below; ``tests/test_compile_trace_cost.py`` bounds the instructions a
+traced step interprets per block). At world size 1 what torch.func.vjp differentiates is each unit's
+flat buffer, not each parameter (`zfunc.transforms.shard.shard._value_and_grad_of_flats`: vjp's
+wrapping is interpreted per leaf), and the graph holds no autograd Function (the model runs on the
+shards themselves, `zfunc.transforms.shard_units.Units.runs_on_shards`), so AOTAutograd's cache,
+which refuses one, spares a warm run the joint graph's trace.
 
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose

@@ -162,7 +162,7 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
             # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
             # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).
             done = flat_adam_update(tx.fused, params, grads, opt_state, request.flat_runs, request.compute_dtype,
-                                    request.compute_into, skip=skip)
+                                    request.compute_into, skip=skip, run_grads=request.flat_grads)
         else:
             done = None
         if done is not None:

@@ -67,6 +67,16 @@ def _read(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor |
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def _whole_gradient(grads: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor:
+    """The run's gradients as one 1-D tensor: ``made``'s flat where ``grads[keys]`` are its parts, else `_read`."""
+    if made is not None:
+        flat, parts = made
+        if (flat.dim() == 1 and flat.numel() == used and len(parts) == len(keys)
+                and False not in list(map(operator.is_, map(grads.__getitem__, keys), parts))):
+            return flat
+    return _read(grads, keys, used, None)
+
+
 def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None,
            new: torch.Tensor, out: dict) -> None:
     """``new`` (the run's new values) into ``out``: written into the owner in place (``out`` keeps the
@@ -82,7 +92,7 @@ def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor 
 
 def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, runs: tuple[tuple[str, ...], ...],
                      compute_dtype: torch.dtype | None = None, compute_into: dict | None = None,
-                     skip: torch.Tensor | None = None):
+                     skip: torch.Tensor | None = None, run_grads: tuple | None = None):
     """One Adam/AdamW update run by run (see the module docstring): ``(params, opt_state, compute_copy)``,
     what `zfunc.optim.fused.fused_update` returns, or None where these tensors do not fit (then the caller
     takes the pure update).
@@ -96,6 +106,9 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
         owners where they have them (else returned as new tensors); keys without elements keep
         ``compute_into``'s (empty) tensors.
       skip: a 0-d bool; where set, everything keeps its old value (branch-free).
+      run_grads: per run, None or ``(flat, parts)``: the run's gradients made as ``parts``, views of the 1-D
+        ``flat`` (`zfunc.primitives.UpdateRequest.flat_grads`); where ``grads`` holds those very views, the run
+        reads ``flat`` whole instead of concatenating them (the same values, one copy fewer in the graph).
     """
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
@@ -142,10 +155,10 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     new_params, new_mu, new_nu = {}, {}, {}
     copy = {**compute_into} if compute_dtype is not None and compute_into is not None else None
     fresh_copy: dict[str, torch.Tensor] = {}
-    for run, owned, used in zip(runs, operands, sizes):
+    for i, (run, owned, used) in enumerate(zip(runs, operands, sizes)):
         owners = [o for _, o in owned]
         p, m, v = (_read(d, run, used, o) for d, o in owned)
-        u = _read(grads, run, used, None)
+        u = _whole_gradient(grads, run, used, run_grads[i] if run_grads is not None else None)
         u = u if u.dtype == p.dtype else u.to(p.dtype)
         if clip_scale is not None:
             u = u * clip_scale.to(u.dtype)

@@ -104,6 +104,9 @@ class _Call:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
+        # While dynamo traces, at one rank: each unit's flat gradient and its keys' parts (views of it), handed to
+        # the flat update (`_value_and_grad_of_flats`, `zfunc.primitives.UpdateRequest.flat_grads`).
+        self.grad_flats: dict[str, tuple[torch.Tensor, dict]] = {}
 
 
 class shard(Transform):  # noqa: N801
@@ -449,7 +452,9 @@ class shard(Transform):  # noqa: N801
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
         grads: dict = {}
         for unit in layout.units:
-            grads.update(unit.split_flat(flat_grads[unit.name]))
+            parts = unit.split_flat(flat_grads[unit.name])
+            call.grad_flats[unit.name] = (flat_grads[unit.name], parts)
+            grads.update(parts)
         return value, grads
 
     def gradients_ready(self, next, grads):
@@ -558,8 +563,14 @@ class shard(Transform):  # noqa: N801
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
         if tracing():  # the update may run once per unit's flat buffers (`zfunc.optim.flat`)
-            request = request._replace(flat_runs=tuple(run for run in (unit.filled_keys(layout.rank)
-                                                                       for unit in layout.units) if run))
+            runs, made = [], []
+            for unit in layout.units:
+                run = unit.filled_keys(layout.rank)
+                if run:
+                    runs.append(run)
+                    found = call.grad_flats.get(unit.name)  # (its gradient made whole: `_value_and_grad_of_flats`)
+                    made.append(None if found is None else (found[0], tuple(map(found[1].__getitem__, run))))
+            request = request._replace(flat_runs=tuple(runs), flat_grads=tuple(made) if call.grad_flats else None)
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
