@@ -63,14 +63,14 @@ def _states(tx, owned: bool):
     return params, opt_state
 
 
-def _both(tx, grads, owned=True, copy_owned=True, skip=None):
+def _both(tx, grads, owned=True, copy_owned=True, skip=None, run_grads=None):
     """(flat result, pure result), each ``(params, mu, nu, counts, compute copy)`` as plain tensors."""
     spec = tx.fused
     params, opt_state = _states(tx, owned)
     ref_params, ref_state = _states(tx, owned)
     into = _flat_dict({k: v.to(torch.bfloat16) for k, v in _values(0).items()}, copy_owned)
     new_params, new_state, copy = flat_adam_update(spec, params, grads, opt_state, RUNS, torch.bfloat16, into,
-                                                   skip=skip)
+                                                   skip=skip, run_grads=run_grads)
     ref_new, ref_new_state = pure_update(tx, ref_params, grads, ref_state)
     if skip is not None:
         ref_new = {k: torch.where(skip, ref_params[k], v) for k, v in ref_new.items()}
@@ -122,6 +122,35 @@ def test_flat_moves_parameters():
         if v.numel():
             assert not torch.equal(v, start[k]), k
     assert not torch.equal(got[0]["b.norm"], other[0]["b.norm"])  # masked out of the decay in one only
+
+
+def _made_whole(grads: dict, scale: float = 1.0) -> tuple[dict, tuple]:
+    """``grads`` remade as views of one flat gradient per run (what `shard` differentiates at one rank), and
+    ``run_grads`` naming them; the flats scaled by ``scale`` afterwards (a flat whose values are not its
+    parts' shows which one the update read)."""
+    out, made = dict(grads), []
+    for run in RUNS:
+        flat = torch.cat([grads[k].reshape(-1) for k in run])
+        parts = tuple(part.view(grads[k].shape) for k, part in zip(run, flat.split([grads[k].numel() for k in run])))
+        out.update(zip(run, parts))
+        made.append((flat * scale if scale != 1.0 else flat, parts))
+    return out, tuple(made)
+
+
+def test_a_run_reads_its_gradient_whole_only_where_its_keys_are_its_parts():
+    """``run_grads`` (`zfunc.primitives.UpdateRequest.flat_grads`): read whole where the gradients are its parts
+    (equal to the per-parameter update), and not where they are other tensors (a transform replaced them)."""
+    tx = OPTIMIZERS["adamw_mask"]()
+    grads, made = _made_whole(_values(3, torch.bfloat16))
+    got, want, _ = _both(tx, grads, run_grads=made)
+    _assert_equal(got, want)
+    _, doubled = _made_whole(grads, scale=2.0)  # (parts of ``grads``' flats, but their flats' values doubled)
+    doubled = tuple((flat, tuple(map(grads.__getitem__, run))) for (flat, _), run in zip(doubled, RUNS))
+    read_whole, _, _ = _both(tx, grads, run_grads=doubled)
+    assert not torch.equal(read_whole[0]["a.w"], want[0]["a.w"])  # (the flat was read: not a tautology)
+    replaced = {k: g.clone() for k, g in grads.items()}
+    got, want, _ = _both(tx, replaced, run_grads=doubled)
+    _assert_equal(got, want)
 
 
 @pytest.mark.parametrize("owned", [False, True])

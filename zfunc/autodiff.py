@@ -41,6 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch._subclasses.fake_tensor import is_fake
 
+from zfunc.compiled import all_true, tracing
 from zfunc.donation import Finding
 from zfunc.primitives import dispatch, gradients_ready, psum
 from zfunc.step_context import current
@@ -347,6 +348,9 @@ def _check_differentiable(params: Any) -> None:
         raise ValueError("value_and_grad: params is empty; nothing to differentiate")
     if read_in_c(leaves) and all(d.is_floating_point or d.is_complex for d in set(map(dtype_of, leaves))):
         return  # (the common case, from the few distinct dtypes read in C: this runs for every parameter)
+    if tracing() and all_true(map(isinstance, leaves, itertools.repeat(torch.Tensor))) and all(
+            d.is_floating_point or d.is_complex for d in frozenset(map(getattr, leaves, itertools.repeat("dtype")))):
+        return  # (the same while dynamo traces, by ``map`` over builtins, which it runs natively)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"value_and_grad: every leaf of params must be a tensor, got {type(leaf).__name__}")

@@ -52,10 +52,14 @@ time grows with the tensors the traced code touches, each a graph input it wraps
 (a view of a flat buffer costing about twice a tensor of its own), and with the Python it
 interprets per parameter. A stage 3 step with a master copy and Adam touches four views per
 parameter (the compute shard, the master, both moments) against the floor's one parameter, so
-per-key work while tracing is kept out of the way (computed once, or only where an error is
-raised). At world size 1 the graph holds no autograd Function (the model runs on the shards themselves,
-`zfunc.transforms.shard_units.Units.runs_on_shards`), so
-AOTAutograd's cache, which refuses one, spares a warm run the joint graph's trace.
+per-key work while tracing is kept out of the way: computed once (tables built with the layout or
+the model's structure), made only where an error is raised, or written in the forms dynamo runs
+natively (see "Per-key work" below; ``tests/test_compile_trace_cost.py`` bounds the instructions a
+traced step interprets per block). At world size 1 what torch.func.vjp differentiates is each unit's
+flat buffer, not each parameter (`zfunc.transforms.shard.shard._value_and_grad_of_flats`: vjp's
+wrapping is interpreted per leaf), and the graph holds no autograd Function (the model runs on the
+shards themselves, `zfunc.transforms.shard_units.Units.runs_on_shards`), so AOTAutograd's cache,
+which refuses one, spares a warm run the joint graph's trace.
 
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose
@@ -64,7 +68,9 @@ What needs no other route: a wrapped block's forward is routed by a
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, TypeVar
+import dataclasses
+import itertools
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, NamedTuple, TypeVar
 
 import torch
 import torch.utils._pytree as torch_pytree
@@ -82,6 +88,58 @@ def remember(cache: dict, key: Any, value: T) -> T:
     if not torch.compiler.is_dynamo_compiling():
         cache[key] = value
     return value
+
+
+# --------------------------------------------------------------------------
+# Per-key work in the forms dynamo runs natively.
+#
+# Dynamo interprets each bytecode of the Python it traces, and some builtins through Python
+# polyfills of its own: ``dict(d)``, ``dict(zip(...))``, a comprehension, ``all``/``any``, ``set(...)``
+# and a comparison of dict key views cost it ~5-15 instructions per key (torch 2.13), which a step
+# pays for every parameter at every trace. ``d.copy()``/``{**d}``, ``dict.update``, ``frozenset(...)``,
+# ``list(map(f, ...))`` of a builtin ``f`` and ``x in list`` it runs in a few instructions whatever
+# the length. The helpers below are those forms (``tests/test_compile_trace_cost.py`` bounds what a
+# traced step interprets per block).
+
+
+def dict_of(keys: Iterable, values: Iterable) -> dict:
+    """``dict(zip(keys, values))``, made by one ``update`` (which dynamo runs natively)."""
+    out: dict = {}
+    out.update(zip(keys, values))
+    return out
+
+
+def same_keys(d: Mapping, keys: AbstractSet) -> bool:
+    """``d.keys() == keys`` for a set ``keys`` (while dynamo traces, compared as a frozenset: its
+    comparison of a dict view is interpreted per key)."""
+    if torch.compiler.is_dynamo_compiling():
+        return frozenset(d) == keys
+    return d.keys() == keys
+
+
+def all_true(flags: Iterable) -> bool:
+    """``all(flags)`` (while dynamo traces, as ``False not in list(flags)``: its ``all`` is interpreted
+    per item); ``flags`` are bools, e.g. ``map(isinstance, values, repeat(torch.Tensor))``."""
+    if torch.compiler.is_dynamo_compiling():
+        return False not in list(flags)
+    return all(flags)
+
+
+def init_fields(cls: type) -> tuple[str, ...]:
+    """The names of a dataclass's fields, for `replaced`; each must be an ``__init__`` argument."""
+    fields = dataclasses.fields(cls)
+    if not all(f.init for f in fields):
+        raise TypeError(f"{cls.__name__} has fields outside __init__: replace it with dataclasses.replace")
+    return tuple(f.name for f in fields)
+
+
+def replaced(obj: T, names: tuple[str, ...], changes: dict) -> T:
+    """``dataclasses.replace(obj, **changes)`` for a dataclass of exactly the fields ``names`` (`init_fields`), built
+    from the fields read by ``map``: dynamo interprets ``dataclasses.replace`` field by field, guarding each
+    field's metadata, at every state, fact and model call a step replaces."""
+    fields = dict_of(names, map(getattr, itertools.repeat(obj), names))
+    fields.update(changes)
+    return type(obj)(**fields)
 
 
 # --------------------------------------------------------------------------
@@ -135,6 +193,9 @@ def _one_level(node: Any) -> tuple[tuple, Any] | None:
 
 def traced_flatten(tree: Any) -> tuple[list, TracedSpec]:
     """``(leaves, spec)`` of ``tree`` (see above)."""
+    flat = _flat_dict(tree)
+    if flat is not None:
+        return flat
     leaves: list = []
 
     def visit(node: Any) -> TracedSpec:
@@ -150,6 +211,23 @@ def traced_flatten(tree: Any) -> tuple[list, TracedSpec]:
 
     spec = visit(tree)
     return leaves, spec
+
+
+def _flat_dict(tree: Any) -> tuple[list, TracedSpec] | None:
+    """`traced_flatten` of a non-empty dict whose values are all tensor leaves (params, gradients, moments), by
+    ``map`` and ``sorted`` (which dynamo runs natively, where `traced_flatten`'s walk is interpreted per
+    leaf); None for any other tree."""
+    if type(tree) is not dict or not tree:
+        return None
+    for kind in frozenset(map(type, tree.values())):  # (the few distinct types of the values)
+        if not issubclass(kind, torch.Tensor) or kind in torch_pytree.SUPPORTED_NODES:
+            return None
+    keys = list(tree)
+    try:
+        order = sorted(keys)
+    except TypeError:  # keys of mixed types: optree keeps their order then
+        order = keys
+    return list(map(tree.__getitem__, order)), TracedSpec(dict, (tuple(order), tuple(keys)), (_LEAF,) * len(order))
 
 
 def traced_unflatten(spec: TracedSpec, leaves: Any) -> Any:

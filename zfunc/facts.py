@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import torch
 
+from zfunc.compiled import init_fields, replaced
+
 Tier = Literal["device", "host", "nvme"]
 
 
@@ -62,5 +64,7 @@ class Facts:
     tp: int = 1
 
     def replace(self, **changes: Any) -> Facts:
-        return dataclasses.replace(self, **changes)
+        return replaced(self, _FIELDS, changes)  # (dataclasses.replace: see `zfunc.compiled.replaced`)
 
+
+_FIELDS = init_fields(Facts)

@@ -49,6 +49,7 @@ from zfunc.model_call import (  # noqa: F401 (re-exported)
     run_model_call,
 )
 from zfunc.model_structure import ModelStructure, OutsideItsBlock  # noqa: F401 (re-exported)
+from zfunc.compiled import same_keys
 from zfunc.params_check import check_shapes_and_dtypes, refuse_other_keys
 from zfunc.primitives import dispatch
 from zfunc.step_context import current
@@ -74,14 +75,18 @@ class FunctionalModel:
             raise TypeError(f"apply_fn takes the params dict first (from zf.functional), got {type(params).__name__}")
         self.structure.check_trainable()
         ctx = current()
-        where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+
+        def where() -> str:  # (for an error only: a transform's repr formats every setting, at every traced call)
+            return f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+
         if ctx is not None and ctx.facts.pp > 1 and not params.keys() >= self.structure.keys:
             raise RuntimeError(
-                f"apply_fn{where}: the model ran on a stage's parameters outside zf.value_and_grad. Under pipeline "
+                f"apply_fn{where()}: the model ran on a stage's parameters outside zf.value_and_grad. Under pipeline "
                 "each rank holds only its stages' parameters (state.params), so the model runs only inside the "
                 "pipelined zf.value_and_grad; evaluate on full parameters instead: full = step.gather(state), then "
                 "apply_fn(full, ...) outside the step.")
-        refuse_other_keys(self.model, self.structure.keys, self.aliases, params, where)
+        if not same_keys(params, self.structure.keys):
+            refuse_other_keys(self.model, self.structure.keys, self.aliases, params, where())
         if ctx is None:  # (inside a step, the plain apply checks what the transforms hand it: `run_model_call`)
             check_shapes_and_dtypes(self.model, self.param_spec, params, passed=self.structure.shapes_passed)
         _check_devices(params, args, kwargs)

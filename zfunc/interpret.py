@@ -169,9 +169,12 @@ class Transform:
         if ctx is not None and self in ctx.stack:
             return self._run(ctx, state, batch)
         require_state(state, f"{self.name}(...)")
-        # A fresh Stack, not the cached ``self.stack``: filling that cache while tracing would be replayed
-        # when the compiled step runs, and change what the next call's guards saw (`zfunc.compiled`).
-        ctx = StepContext(Stack(self))
+        # The stack built eagerly (a transform builds its own when it is made), else a fresh one: not
+        # ``self.stack``, whose filling while tracing would be replayed when the compiled step runs, and change
+        # what the next call's guards saw (`zfunc.compiled`); nor a fresh one always, whose facts and handlers
+        # dynamo would interpret at every trace.
+        stack = self.__dict__.get("stack")
+        ctx = StepContext(stack if isinstance(stack, Stack) else Stack(self))
         outer, TRACED.context = TRACED.context, ctx
         try:
             out = self._run(ctx, state, batch)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal
 import torch
 from torch import nn
 
-from zfunc.compiled import tracing
+from zfunc.compiled import dict_of, init_fields, replaced, tracing
 from zfunc.data_access import ParamsWatch
 from zfunc.interpret import current
 from zfunc.model_structure import ModelStructure, OutsideItsBlock
@@ -73,6 +73,10 @@ class ModelCall:
     # blocks of other stages and ends its stage's forward after its last block). See `intercept`.
     intercepts: dict[str, Callable] = dataclasses.field(default_factory=dict)
 
+    def replace(self, **changes: Any) -> "ModelCall":
+        """A copy with some fields replaced (``dataclasses.replace``, as `zfunc.compiled.replaced` makes it)."""
+        return replaced(self, _FIELDS, changes)
+
     @property
     def aliases(self) -> dict[str, str]:
         """Every trainable qualified name, tied ones included -> its key in params."""
@@ -116,6 +120,9 @@ class ModelCall:
         return self.structure.block_param_names(name)
 
 
+_FIELDS = init_fields(ModelCall)
+
+
 # --------------------------------------------------------------------------
 # The plain implementation of the ``apply`` primitive.
 
@@ -133,7 +140,9 @@ def run_model_call(call: ModelCall) -> Any:
     stale tensor).
     """
     model, structure = call.model, call.structure
-    if not call.block_wrappers and not call.params.keys() >= structure.keys:
+    # (While dynamo traces, the keys as a frozenset: it interprets a dict view's comparison per key.)
+    if not call.block_wrappers and not (frozenset(call.params) >= structure.keys if tracing()
+                                        else call.params.keys() >= structure.keys):
         missing = sorted(structure.keys - call.params.keys())
         raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
                          f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
@@ -143,7 +152,7 @@ def run_model_call(call: ModelCall) -> Any:
         transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
                                 lambda: f" under {transforms[0]!r}" if transforms else "", structure.shapes_passed)
-    outer_params = {name: call.params[key] for name, key in structure.outer_names(prefixes) if key in call.params}
+    outer_params = _named(structure.outer_names(prefixes), call.params)
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
                              if key in call.params})
@@ -171,6 +180,15 @@ def run_model_call(call: ModelCall) -> Any:
             return out
         finally:
             structure.outside, structure.data_watch = outside, outer_watch
+
+
+def _named(pairs: list[tuple[str, str]], params: dict) -> dict:
+    """``{name: params[key]}`` for the ``(name, key)`` pairs whose key ``params`` has."""
+    if tracing():  # (every key there, the usual case, by ``map``: dynamo runs it natively, `zfunc.compiled`)
+        names, keys = zip(*pairs) if pairs else ((), ())
+        if frozenset(keys) <= frozenset(params):
+            return dict_of(names, map(params.__getitem__, keys))
+    return {name: params[key] for name, key in pairs if key in params}
 
 
 def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:

@@ -12,6 +12,7 @@ transform holds only as a shard.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -89,7 +90,10 @@ class ModelStructure:
         # transforms wrap by default. Others are routed at the first eager call that wraps them.
         self._dispatches: dict[str, BlockDispatch] = {}
         self.route_blocks([name for name in self.blocks()
-                           if not isinstance(model.get_submodule(name), (nn.ModuleList, nn.ModuleDict))])
+                           if not isinstance(self.module(name), (nn.ModuleList, nn.ModuleDict))])
+        # (Found now, outside any trace, as the blocks' modules just were: the names a call of the whole model
+        # with no block wrapped swaps in, which a traced call would otherwise find per name at every trace.)
+        self.outer_names(())
 
     def module(self, name: str) -> nn.Module:
         """``model.get_submodule(name)``, looked up once per name."""
@@ -251,6 +255,13 @@ class ModelStructure:
                     return
             except AttributeError:  # a slot holding None
                 pass
+        # While dynamo traces: the same reads by ``map`` over ``getattr`` (natively, where it interprets the
+        # loop below per parameter), each tensor guarded by dynamo as it reads it, so a later change
+        # recompiles and meets this check again.
+        elif False not in list(map(getattr, self._trainable_tensors, itertools.repeat("requires_grad"))) + list(
+                map(getattr, map(dict.get, self._trainable_owners, self._trainable_attrs),
+                    itertools.repeat("requires_grad"), itertools.repeat(True))):
+            return
         for name, where, attr, p in self.trainable:
             # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
             # is only a template); what matters is that it still trains.

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 import torch
 from torch import nn
 
-from zfunc.compiled import remember, tracing
+from zfunc.compiled import remember, same_keys, tracing
 from zfunc.tree import dtype_of, read_in_c, shape_of
 
 Spec = dict[str, tuple[torch.Size, torch.dtype]]
@@ -52,7 +52,7 @@ def refuse_other_keys(model: nn.Module, keys: frozenset, aliases: dict[str, str]
                       where: str = "") -> None:
     """Refuse ``params`` unless its keys are exactly the model's trainable ``keys``: a missing one would
     fail deep inside the model (a bare KeyError), an extra one would be silently ignored."""
-    if params.keys() == keys:
+    if same_keys(params, keys):
         return
     missing = sorted(keys - params.keys())
     if missing:

@@ -130,7 +130,10 @@ class UpdateRequest(NamedTuple):
     ``wait_all()``) first; ``flat_runs``: groups of keys (each in buffer
     order) whose tensors are consecutive views of one flat buffer in each
     param-shaped operand that records it (`zfunc.optim.flat`), so that a
-    traced update can run once per buffer.
+    traced update can run once per buffer; ``flat_grads``: for each flat run,
+    None or ``(flat, parts)``: a 1-D gradient of the run whose keys' gradients
+    were made as ``parts`` (views of it, in order), read whole by the update
+    where the gradients it is given are still those very views.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -138,6 +141,7 @@ class UpdateRequest(NamedTuple):
     host_threads: int | None = None
     grads_landing: Any = None
     flat_runs: tuple[tuple[str, ...], ...] | None = None
+    flat_grads: tuple | None = None
 
 
 class Updated(NamedTuple):

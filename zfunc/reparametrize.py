@@ -39,8 +39,9 @@ class SlotSet:
     __slots__ = ("attrs", "distinct", "owners")
 
     def __init__(self, slots: Slots) -> None:
-        self.owners = [where for where, _ in slots]
-        self.attrs = [attr for _, attr in slots]
+        # (Two columns by one ``zip``: dynamo runs it natively, where it interprets a comprehension per slot.)
+        owners, attrs = zip(*slots) if slots else ((), ())
+        self.owners, self.attrs = list(owners), list(attrs)
         # (Not asked while dynamo traces, whose 2.11 cannot take the id of a dict: `_refuse_reassigned` checks
         # nothing in a compiled step.)
         self.distinct = not tracing() and len({(id(where), attr) for where, attr in slots}) == len(slots)
@@ -101,16 +102,23 @@ def swapped(module: nn.Module, tensors: dict[str, torch.Tensor], cache: dict,
         return
     owners, attrs = slots.owners, slots.attrs
     originals = list(map(operator.getitem, owners, attrs))
+    traced = tracing()
     try:
-        for where, attr, tensor in zip(owners, attrs, tensors.values()):
-            where[attr] = tensor
+        if traced:  # (slot by slot through ``map``, which dynamo runs natively: see `zfunc.compiled`)
+            list(map(dict.__setitem__, owners, attrs, tensors.values()))
+        else:
+            for where, attr, tensor in zip(owners, attrs, tensors.values()):
+                where[attr] = tensor
         yield
         _refuse_reassigned(slots, tensors)
     finally:
         # In reverse: a slot given under two names (a module at two positions) ends with its original (both
         # entries read it before any was assigned).
-        for where, attr, original in zip(reversed(owners), reversed(attrs), reversed(originals)):
-            where[attr] = original
+        if traced:
+            list(map(dict.__setitem__, reversed(owners), reversed(attrs), reversed(originals)))
+        else:
+            for where, attr, original in zip(reversed(owners), reversed(attrs), reversed(originals)):
+                where[attr] = original
 
 
 def _refuse_reassigned(slots: SlotSet, tensors: dict[str, torch.Tensor]) -> None:
@@ -138,14 +146,13 @@ def _find_slots(module: nn.Module, tensors: dict[str, torch.Tensor], table: Slot
     parameter or buffer slot (a plain attribute, a missing name: torch's route handles those), or a tensor
     reachable under another name that is not given (torch's route re-ties it)."""
     table = SlotTable(module) if table is None else table
-    names = set(tensors)
-    slots: Slots = []
-    for name in tensors:
-        slot = table.slots.get(name)
-        if slot is None:
+    # (By ``map`` and over the few tied names, not a loop over every name: a traced call finds them at
+    # every trace, and dynamo interprets a loop instruction by instruction, `zfunc.compiled`.)
+    slots: Slots = list(map(table.slots.get, tensors))
+    if None in slots:
+        return None
+    names = frozenset(tensors)
+    for name, twins in table.twins.items():
+        if name in names and not names.issuperset(twins):
             return None
-        twins = table.twins.get(name)
-        if twins is not None and not set(twins) <= names:
-            return None
-        slots.append(slot)
     return slots

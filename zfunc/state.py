@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from zfunc.compiled import tracing
+from zfunc.compiled import init_fields, replaced, tracing
 from zfunc.donation import Donation, check_laid_out_by
 from zfunc.primitives import UpdateRequest, Updated, dispatch
 from zfunc.step_context import current
@@ -98,7 +98,11 @@ class TrainState:
         # in by ``replace`` is refused like one edited in place (`zfunc.interpret.check_copies`).
         donation.stamp = self.donation.stamp
         donation.pending = self.donation.pending  # (an error the step that made it found: raised at next use)
-        return dataclasses.replace(self, donation=donation, **changes)
+        if type(self) is not TrainState:  # (a subclass may have fields of its own)
+            return dataclasses.replace(self, donation=donation, **changes)
+        if "donation" in changes:
+            raise TypeError("TrainState.replace: the donation record is not replaced")
+        return replaced(self, _FIELDS, {**changes, "donation": donation})
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
@@ -158,7 +162,7 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
             # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
             # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).
             done = flat_adam_update(tx.fused, params, grads, opt_state, request.flat_runs, request.compute_dtype,
-                                    request.compute_into, skip=skip)
+                                    request.compute_into, skip=skip, run_grads=request.flat_grads)
         else:
             done = None
         if done is not None:
@@ -214,3 +218,4 @@ def _unflatten(static, children) -> TrainState:
 
 
 register_pytree_node(TrainState, _flatten, _unflatten)
+_FIELDS = init_fields(TrainState)

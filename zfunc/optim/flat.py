@@ -34,6 +34,8 @@ of a run (a mask) is one per-element selection (``torch.where`` between
 
 from __future__ import annotations
 
+import operator
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -49,12 +51,11 @@ def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None
     None where any key has no owner or another one."""
     if tensors is None:
         return None
-    owner = getattr(tensors[keys[0]], OWNER, None)
-    if owner is None:
+    # (Read by ``map`` over builtins, which dynamo runs natively: it interprets a loop per key, `zfunc.compiled`.)
+    owners = list(map(getattr, map(tensors.__getitem__, keys), repeat(OWNER), repeat(None)))
+    owner = owners[0]
+    if owner is None or False in list(map(operator.is_, owners, repeat(owner))):
         return None
-    for k in keys[1:]:  # (a loop, not any() over a generator: dynamo interprets a third as many instructions)
-        if getattr(tensors[k], OWNER, None) is not owner:
-            return None
     return owner
 
 
@@ -62,8 +63,18 @@ def _read(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor |
     """The run's values as one 1-D tensor: the owner's leading span, else a concatenation."""
     if owner is not None:
         return owner if owner.numel() == used else owner[:used]
-    parts = [t if t.dim() == 1 else t.reshape(-1) for t in map(tensors.__getitem__, keys)]
+    parts = list(map(torch.flatten, map(tensors.__getitem__, keys)))  # (a 1-D tensor is itself: no view)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _whole_gradient(grads: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor:
+    """The run's gradients as one 1-D tensor: ``made``'s flat where ``grads[keys]`` are its parts, else `_read`."""
+    if made is not None:
+        flat, parts = made
+        if (flat.dim() == 1 and flat.numel() == used and len(parts) == len(keys)
+                and False not in list(map(operator.is_, map(grads.__getitem__, keys), parts))):
+            return flat
+    return _read(grads, keys, used, None)
 
 
 def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None,
@@ -81,7 +92,7 @@ def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor 
 
 def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, runs: tuple[tuple[str, ...], ...],
                      compute_dtype: torch.dtype | None = None, compute_into: dict | None = None,
-                     skip: torch.Tensor | None = None):
+                     skip: torch.Tensor | None = None, run_grads: tuple | None = None):
     """One Adam/AdamW update run by run (see the module docstring): ``(params, opt_state, compute_copy)``,
     what `zfunc.optim.fused.fused_update` returns, or None where these tensors do not fit (then the caller
     takes the pure update).
@@ -95,6 +106,9 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
         owners where they have them (else returned as new tensors); keys without elements keep
         ``compute_into``'s (empty) tensors.
       skip: a 0-d bool; where set, everything keeps its old value (branch-free).
+      run_grads: per run, None or ``(flat, parts)``: the run's gradients made as ``parts``, views of the 1-D
+        ``flat`` (`zfunc.primitives.UpdateRequest.flat_grads`); where ``grads`` holds those very views, the run
+        reads ``flat`` whole instead of concatenating them (the same values, one copy fewer in the graph).
     """
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
@@ -104,13 +118,11 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     # trace `<=` between a set and dict keys), and each run's element count, in one pass over the keys.
     sizes = []
     covered = 0
+    have = frozenset(params)
     for run in runs:
-        used = 0
-        for k in run:
-            if k not in params:
-                return None
-            used += params[k].numel()
-        sizes.append(used)
+        if not frozenset(run) <= have:  # (not ``issuperset``, which dynamo interprets per key)
+            return None
+        sizes.append(sum(list(map(torch.Tensor.numel, map(params.__getitem__, run)))))
         covered += len(run)
     if covered != len(params):
         counted = {k for run in runs for k in run}
@@ -141,12 +153,12 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
         clip_scale = (spec.clip / (global_norm(grads) + 1e-6)).clamp(max=1.0)
     # The new per-key tensors of operands without an owner (those with one keep their tensors, written in place).
     new_params, new_mu, new_nu = {}, {}, {}
-    copy = dict(compute_into) if compute_dtype is not None and compute_into is not None else None
+    copy = {**compute_into} if compute_dtype is not None and compute_into is not None else None
     fresh_copy: dict[str, torch.Tensor] = {}
-    for run, owned, used in zip(runs, operands, sizes):
+    for i, (run, owned, used) in enumerate(zip(runs, operands, sizes)):
         owners = [o for _, o in owned]
         p, m, v = (_read(d, run, used, o) for d, o in owned)
-        u = _read(grads, run, used, None)
+        u = _whole_gradient(grads, run, used, run_grads[i] if run_grads is not None else None)
         u = u if u.dtype == p.dtype else u.to(p.dtype)
         if clip_scale is not None:
             u = u * clip_scale.to(u.dtype)
@@ -186,12 +198,10 @@ def _one_kind(tensors: dict, keys: tuple[str, ...]) -> tuple[torch.dtype, torch.
 def _decayed(p: torch.Tensor, keep: torch.Tensor, run: tuple[str, ...], decays: dict, params: dict) -> torch.Tensor:
     """``p·keep`` where the key's weight decays (``decays[key] != 0``), ``p`` elsewhere (exactly the per-key
     choice); ``p`` is the run's keys' values, in order."""
-    decaying = 0
-    for k in run:  # (a loop: the usual all-or-none case costs dynamo one pass and no per-key lists)
-        decaying += decays[k] != 0
-    if decaying == len(run):
+    rates = list(map(decays.__getitem__, run))  # (by ``map``, which dynamo runs natively, `zfunc.compiled`)
+    if 0 not in rates:
         return p * keep
-    if not decaying:
+    if rates.count(0) == len(rates):
         return p
     flags = [decays[k] != 0 for k in run]
     sizes = [params[k].numel() for k in run]

@@ -230,7 +230,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
         mp = self._state_of(state)
-        return next(state.replace(params=dict(mp.master)) if mp.master else state)
+        return next(state.replace(params={**mp.master}) if mp.master else state)
 
     # -- the step --------------------------------------------------------------
     def start(self, ctx, state) -> _StepInfo:
@@ -282,14 +282,14 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if self.has_master:
             # Ask the update for the compute copy, written into the compute params themselves
             # where it can (a fused kernel does so in the same pass).
-            request = request._replace(compute_dtype=self.policy.compute, compute_into=dict(state.params))
+            request = request._replace(compute_dtype=self.policy.compute, compute_into={**state.params})
         if self.scaling == "none":
             if not mp.master:
                 return next(state, {k: g.to(master_dtype) for k, g in grads.items()}, request)
             # Handed on as they are (the compute dtype, or `accumulate`'s fp32 sum): the optimizer's
             # update upcasts them exactly (`zfunc.state.pure_update`), and a fused kernel reads them
             # as they are, saving a full fp32 copy of the gradients.
-            new = next(state.replace(params=dict(mp.master)), grads, request)
+            new = next(state.replace(params={**mp.master}), grads, request)
             return self._write_back(new, mp)
 
         info = self.call_scratch()
@@ -323,12 +323,12 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if not mp.master:
             new = next(state, grads, request)
             return Updated(new.state.replace(extras={**new.state.extras, self.name: new_mp}), new.compute_copy)
-        return self._write_back(next(state.replace(params=dict(mp.master)), grads, request), new_mp)
+        return self._write_back(next(state.replace(params={**mp.master}), grads, request), new_mp)
 
     def _write_back(self, new: Updated, mp: MixedPrecisionState) -> Updated:
         """``new`` came back from the optimizer holding the master as params: the compute copy it
         wrote (or a cast of the master) becomes ``params``."""
-        master = dict(new.state.params)
+        master = {**new.state.params}
         copy = new.compute_copy
         if copy is None:
             copy = {k: v.to(self.policy.compute) for k, v in master.items()}

@@ -9,13 +9,13 @@ the user is in `zfunc.transforms.mixed_precision`'s module doc (``apply``).
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from zfunc.compiled import tracing
+from zfunc.compiled import all_true, tracing
 from zfunc.transforms.mixed_precision_policy import Policy
 from zfunc.tree import dtype_of, read_in_c, tree_map_tensors, version_of
 
@@ -37,8 +37,8 @@ def run_in_compute_dtype(next: Callable, call, policy: Policy, cast_buffers: boo
     versions = None if tracing() else versions_of(params)
     with call.structure.lock:  # the module's slots are shared with other threads' calls
         constants, buffers = _constants(call, compute, cast_buffers)
-    call = dataclasses.replace(call, params=params, args=tree_map_tensors(cast_in, call.args),
-                               kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
+    call = call.replace(params=params, args=tree_map_tensors(cast_in, call.args),
+                        kwargs=tree_map_tensors(cast_in, call.kwargs), constants=constants)
     try:
         out = next(call)
     except RuntimeError as err:
@@ -57,6 +57,10 @@ def _needs_cast(values: list, compute: torch.dtype) -> bool:
     the compute copy already: never, in the common case, decided from their few distinct dtypes)."""
     if read_in_c(values):
         return any(d.is_floating_point and d != compute for d in set(map(dtype_of, values)))
+    if tracing() and all_true(map(isinstance, values, itertools.repeat(torch.Tensor))):
+        # (The same from the distinct dtypes, read by ``map`` over ``getattr``, which dynamo runs natively.)
+        return any(d.is_floating_point and d != compute
+                   for d in frozenset(map(getattr, values, itertools.repeat("dtype"))))
     return any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != compute for v in values)
 
 

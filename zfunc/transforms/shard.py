@@ -51,16 +51,17 @@ volumes.
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Any, Callable, Literal, Sequence
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from zfunc import dist
-from zfunc.compiled import tracing
+from zfunc.compiled import dict_of, same_keys, tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
-from zfunc.optim.flat import OWNER
+from zfunc.optim.flat import OWNER, owner_of
 from zfunc.recompute import refuse_running_statistics
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
@@ -89,7 +90,8 @@ class ShardedParams(dict):
     """
 
     def __init__(self, shards: dict, full_flats: dict[str, torch.Tensor] | None, shaped: bool = False) -> None:
-        super().__init__(shards)
+        super().__init__()
+        self.update(shards)  # (not ``__init__(shards)``: dynamo interprets that per key, ``update`` in one step)
         self.full_flats = full_flats  # stage 2: unit name -> resident full flat buffer
         self.shaped = shaped  # one rank (`Units.runs_on_shards`): the shards viewed in their parameters' shapes
 
@@ -102,6 +104,9 @@ class _Call:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
+        # While dynamo traces, at one rank: each unit's flat gradient and its keys' parts (views of it), handed to
+        # the flat update (`_value_and_grad_of_flats`, `zfunc.primitives.UpdateRequest.flat_grads`).
+        self.grad_flats: dict[str, tuple[torch.Tensor, dict]] = {}
 
 
 class shard(Transform):  # noqa: N801
@@ -289,7 +294,7 @@ class shard(Transform):  # noqa: N801
                 "to reshard it for this world size")
         if layout.stage != self.stage:
             raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
-        if state.params.keys() != layout.keys:
+        if not same_keys(state.params, layout.keys):
             missing, extra = sorted(layout.keys - state.params.keys()), sorted(state.params.keys() - layout.keys)
             raise ValueError(f"{self!r}: state.params do not match the state's shard layout (missing: {missing[:6]}, "
                              f"unexpected: {extra[:6]}); use the state that step.init or the step returned")
@@ -315,7 +320,7 @@ class shard(Transform):  # noqa: N801
                       flats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This rank's 1-D slices of the parameters (views, no copy)."""
         if layout.stage == 3:
-            return dict(params)
+            return {**params}
         if tracing():
             return param_shards(params, layout)
         flats = self._full_flats(params, layout) if flats is None else flats
@@ -330,7 +335,7 @@ class shard(Transform):  # noqa: N801
         and the params themselves). The shards are a dict of the caller's own, the tensors the same views
         step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
         if self.stage == 3:
-            return None, dict(params)
+            return None, {**params}
         if tracing() or not params:
             flats = self._full_flats(params, layout)
             return flats, self._param_shards(params, layout, flats)
@@ -339,7 +344,7 @@ class shard(Transform):  # noqa: N801
             flats = self._full_flats(params, layout)
             found = (flats, self._param_shards(params, layout, flats))
             layout.state_views.put(params, *found)
-        return found[0], dict(found[1])
+        return found[0], {**found[1]}
 
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:
@@ -402,6 +407,9 @@ class shard(Transform):  # noqa: N801
         before = call.sharded_applies
         call.units.start_pass()
         shaped = self._runs_on_shards(call.units)
+        flats = _unit_flats(shards, layout) if shaped and tracing() and current().facts.tp == 1 else None
+        if flats is not None:
+            return self._value_and_grad_of_flats(next, fn, flats, layout, full_flats, before, args, kwargs, has_aux)
         if shaped:
             # One rank: each shard is its whole parameter. What is differentiated is each viewed in its
             # parameter's shape, handed to the model as it is (`_apply_on_shards`), and each gradient handed on
@@ -418,7 +426,35 @@ class shard(Transform):  # noqa: N801
                 "shard: the loss function did not run the model on the params it was given; under shard, pass "
                 "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
         if shaped and grads is not None:
-            grads = {k: g.reshape(-1) for k, g in grads.items()}
+            grads = dict_of(grads, map(torch.flatten, grads.values()))  # (by ``map``: natively in a trace)
+        return value, grads
+
+    def _value_and_grad_of_flats(self, next, fn, flats: dict, layout: ShardLayout, full_flats, before: int,
+                                 args, kwargs, has_aux):
+        """`value_and_grad` at one rank while dynamo traces, where every unit's shards are views of its flat
+        buffer (``flats``): what is differentiated is each unit's flat buffer, the model given each parameter
+        as a view of it, and each gradient handed on as the 1-D part of its unit's. The same numbers as
+        differentiating every parameter; what torch.func.vjp wraps and unwraps, interpreted by dynamo leaf by
+        leaf (~150 instructions each), is one tensor per unit, and the backward graph makes each unit's
+        gradient in one piece."""
+        call: _Call = self.call_scratch()
+
+        def loss_on_flats(flat_params, *a, **kw):
+            views: dict = {}
+            for unit in layout.units:
+                views.update(unit.split_views(flat_params[unit.name]))
+            return fn(ShardedParams(views, full_flats, True), *a, **kw)
+
+        value, flat_grads = next(loss_on_flats, flats, args, kwargs, has_aux)
+        if call.sharded_applies == before:
+            raise RuntimeError(
+                "shard: the loss function did not run the model on the params it was given; under shard, pass "
+                "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        grads: dict = {}
+        for unit in layout.units:
+            parts = unit.split_flat(flat_grads[unit.name])
+            call.grad_flats[unit.name] = (flat_grads[unit.name], parts)
+            grads.update(parts)
         return value, grads
 
     def gradients_ready(self, next, grads):
@@ -453,7 +489,7 @@ class shard(Transform):  # noqa: N801
         plan = model_call.structure.derived("shard.apply", layout,
                                             lambda: BlockPlan.build(model_call, layout, "" if tracing() else f" under {self!r}"))
         full_flats = params.full_flats if isinstance(params, ShardedParams) else None
-        new_params = dict(params)
+        new_params = {**params}
         root = layout.unit_of_name(ROOT)
         root_written = None  # version counters to check after the forward (see below)
         if root is not None:
@@ -507,7 +543,7 @@ class shard(Transform):  # noqa: N801
         must not train differently on one GPU and on two)."""
         model_call.structure.derived("shard.on_shards", layout, lambda: refuse_container_units(model_call, layout))
         if isinstance(params, ShardedParams) and params.shaped:  # (viewed so by `value_and_grad`)
-            views = dict(params)
+            views = {**params}
         else:
             views = layout.reshaped(params)
         model_call.params = views
@@ -522,13 +558,19 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
         keys = layout.keys
-        if grads.keys() != keys:
+        if not same_keys(grads, keys):
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
         if tracing():  # the update may run once per unit's flat buffers (`zfunc.optim.flat`)
-            request = request._replace(flat_runs=tuple(run for run in (unit.filled_keys(layout.rank)
-                                                                       for unit in layout.units) if run))
+            runs, made = [], []
+            for unit in layout.units:
+                run = unit.filled_keys(layout.rank)
+                if run:
+                    runs.append(run)
+                    found = call.grad_flats.get(unit.name)  # (its gradient made whole: `_value_and_grad_of_flats`)
+                    made.append(None if found is None else (found[0], tuple(map(found[1].__getitem__, run))))
+            request = request._replace(flat_runs=tuple(runs), flat_grads=tuple(made) if call.grad_flats else None)
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
@@ -536,9 +578,11 @@ class shard(Transform):  # noqa: N801
             # 2.11 cannot trace `is` between two dicts, and the loop below then copies nothing that is itself.)
             if not tracing() and fresh is old:
                 return old
-            for k, t in old.items():
-                if fresh[k] is not t:
-                    t.copy_(fresh[k])
+            news = list(map(fresh.__getitem__, old))
+            if False in list(map(operator.is_, news, old.values())):  # (per key only where some tensor is new)
+                for t, new in zip(old.values(), news):
+                    if new is not t:
+                        t.copy_(new)
             return old
 
         write_back(shards, new.state.params)
@@ -565,6 +609,18 @@ def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Te
     for view in views.values():
         setattr(view, OWNER, flat_shard)
     return views
+
+
+def _unit_flats(shards: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | None:
+    """``{unit name: the flat buffer its keys' shards are views of}`` where every unit's shards are, in order,
+    the whole of one buffer of their own (`owned_views` at one rank), else None."""
+    flats = {}
+    for unit in layout.units:
+        flat = owner_of(shards, unit.keys)
+        if flat is None or flat.dim() != 1 or flat.numel() != unit.padded or unit.padded != unit.numel:
+            return None
+        flats[unit.name] = flat
+    return flats
 
 
 def _under_torch_func() -> bool:

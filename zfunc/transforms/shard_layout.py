@@ -19,12 +19,13 @@ optimizer and the user still see a dict keyed by parameter name
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 
-from zfunc.compiled import cached_property, remember
+from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
 from zfunc.tree import register_pytree_node, still_the_same, weak_refs
 
@@ -151,7 +152,7 @@ class UnitLayout:
         12-block step. Outside a trace only."""
         if torch.compiler.is_dynamo_compiling():
             return
-        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides"):
+        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides", "_shaped"):
             getattr(self, name)
         self.shard_spans(rank), self._split_sizes(rank), self.shard_positions(rank), self.filled_keys(rank)
 
@@ -164,16 +165,27 @@ class UnitLayout:
         """`full_views` made by one ``split``: what a traced step uses, where it is one node of the graph (not a
         slice and a view per key), and its gradient one concatenation (not a zero-filled scatter per key
         summed into the unit's gradient)."""
+        return self.reshaped(self.split_flat(flat_full))
+
+    def split_flat(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each key's 1-D part of a full flat buffer, by one ``split`` (the padding left out)."""
         sizes = self.numels + ((self.padded - self.numel,) if self.padded > self.numel else ())
-        parts = flat_full.split(sizes)
-        return {key: part if len(shape) == 1 else part.view(shape)
-                for key, part, shape in zip(self.keys, parts, self.shapes)}
+        return dict_of(self.keys, flat_full.split(sizes))
 
     def reshaped(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each key's tensor in ``slices`` viewed in its parameter's shape: at world size 1, where a shard
         is its whole parameter (1-D ones are given as they are)."""
-        return {key: t if len(shape) == 1 else t.view(shape)
-                for key, shape, t in zip(self.keys, self.shapes, map(slices.__getitem__, self.keys))}
+        # (By ``map``: in C eagerly, and natively while dynamo traces, where a comprehension is interpreted per key.)
+        out = dict_of(self.keys, map(slices.__getitem__, self.keys))
+        keys, shapes = self._shaped
+        out.update(zip(keys, map(torch.Tensor.view, map(slices.__getitem__, keys), shapes)))
+        return out
+
+    @cached_property
+    def _shaped(self) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """The keys whose parameters are not 1-D, and their shapes (what `reshaped` views)."""
+        pairs = [(key, shape) for key, shape in zip(self.keys, self.shapes) if len(shape) != 1]
+        return tuple(key for key, _ in pairs), tuple(shape for _, shape in pairs)
 
     def strided_views(self, flat_full: torch.Tensor) -> list[torch.Tensor]:
         """`full_views` as one ``as_strided`` each (half the dispatches of slice + view), in key
@@ -334,7 +346,10 @@ class ShardLayout:
 
     def reshaped(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape."""
-        return {k: v for unit in self.units for k, v in unit.reshaped(shards).items()}
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            out.update(unit.reshaped(shards))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
@@ -396,6 +411,8 @@ def is_param_shaped(node: Any, keys: set[str]) -> bool:
     # interprets in a third of the instructions of a key-set comparison followed by all() over a generator.)
     if not isinstance(node, dict) or len(node) != len(keys):
         return False
+    if tracing():  # (the same by a frozenset and ``map``, which dynamo runs natively: `zfunc.compiled`)
+        return frozenset(node) == keys and all_true(map(isinstance, node.values(), itertools.repeat(torch.Tensor)))
     for k, v in node.items():
         if k not in keys or not isinstance(v, torch.Tensor):
             return False

@@ -42,6 +42,7 @@ parameters in place is refused, an output that is a view of them is copied out.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Callable, Literal
 
@@ -180,7 +181,8 @@ class Units:
         and the update streams it from; the gathers read the host data through `_data` (pinned memory,
         copied to the GPU asynchronously as each unit is gathered)."""
         device = self.comm.group.device
-        if all(t.device == device for t in shards.values()):
+        # (The few distinct devices, read by ``map``: in C eagerly, natively while dynamo traces.)
+        if not shards or frozenset(map(getattr, shards.values(), itertools.repeat("device"))) == frozenset((device,)):
             return shards
         if under_torch_func_or_compile():
             raise NotImplementedError(
@@ -313,7 +315,7 @@ class Units:
         self.uses = {}
         if flushed and grads is not None:
             units = {u.name: u for u in self.layout.units}
-            grads = dict(grads)
+            grads = {**grads}
             for name, shard in flushed.items():
                 grads.update(units[name].shard_views(shard, self.rank))
         return grads

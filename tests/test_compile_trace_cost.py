@@ -1,0 +1,126 @@
+"""What dynamo interprets to trace a whole compiled step, per block of the model, and the checks a trace still makes.
+
+Dynamo runs the step's Python instruction by instruction (`zfunc.compiled`): a check or a table lookup
+that loops over the parameters costs it instructions per parameter at every trace, and a whole-step
+compile of a deep model pays that per block (the cold compile and, in full, a warm one: a warm cache
+spares Inductor, not dynamo). The count is of dynamo's instructions (its bytecode steps) with
+``backend="eager"`` (dynamo only), at two depths of one model, so what is bounded is what one more
+block adds. zfunc's per-key work is written in the forms dynamo runs natively (``map`` over builtins,
+frozensets, ``dict.update``); the checks made that way must still refuse a bad input in a compiled step,
+which the second half of this file holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zfunc as zf
+from tests.models import make_batch, tiny_lm_step
+from zfunc.transforms import mixed_precision, shard
+
+# Instructions dynamo interprets per block of `tests.models.TinyLM` (6 trainable tensors per block) for
+# shard(mixed_precision(step, "bf16"), stage=3) with AdamW: 1692 on torch 2.13 (the model's own forward, the
+# unit's flat update, its gather of views); 5941 before per-key checks and lookups left the loops and one rank
+# differentiated each unit's flat buffer rather than each parameter (2248 with the first alone; 2026-11-25).
+# The bound leaves room for another torch version.
+PER_BLOCK = 2200
+
+
+def _step(depth: int, train_step=None):
+    """``(step, state)``: the stage 3 bf16 AdamW step of TinyLM with ``depth`` blocks, initialised."""
+    model, params, plain = tiny_lm_step(depth=depth)
+    step = shard(mixed_precision(train_step(model, plain) if train_step else plain, "bf16"), stage=3)
+    return step, step.init(zf.TrainState.create(params, zf.optim.adamw(1e-3, weight_decay=0.1)))
+
+
+def _compiled(step):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return torch.compile(step, fullgraph=True, backend="eager")
+
+
+def test_a_traced_step_interprets_a_bounded_number_of_instructions_per_block(monkeypatch):
+    from torch._dynamo import symbolic_convert
+
+    count = [0]
+    original = symbolic_convert.InstructionTranslatorBase.step
+
+    def counted(self):
+        count[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(symbolic_convert.InstructionTranslatorBase, "step", counted)
+    traced = {}
+    for depth in (2, 4):
+        step, state = _step(depth)
+        count[0] = 0
+        _compiled(step)(state, make_batch())
+        traced[depth] = count[0]
+    per_block = (traced[4] - traced[2]) / 2
+    assert 0 < per_block <= PER_BLOCK, traced
+
+
+def _drop_a_gradient(model, plain):
+    def train_step(state, batch):
+        _, grads = zf.value_and_grad(lambda p, b: plain_loss(p, b))(state.params, batch)
+        del grads["blocks.0.up.bias"]
+        return state.apply_gradients(grads), {}
+
+    plain_loss = _loss_of(plain)
+    return train_step
+
+
+def _cut_a_gradient(model, plain):
+    def train_step(state, batch):
+        _, grads = zf.value_and_grad(lambda p, b: plain_loss(p, b))(state.params, batch)
+        grads["blocks.0.up.bias"] = grads["blocks.0.up.bias"][:-1]
+        return state.apply_gradients(grads), {}
+
+    plain_loss = _loss_of(plain)
+    return train_step
+
+
+def _loss_of(plain):
+    """The loss function inside `tests.models.tiny_lm_step`'s plain step (its closure's)."""
+    return next(c.cell_contents for c in plain.__closure__ if callable(c.cell_contents))
+
+
+def _extra_param(model, plain):
+    plain_loss = _loss_of(plain)
+
+    def train_step(state, batch):
+        def loss(p, b):
+            return plain_loss({**p, "not.a.param": p["embed.weight"]}, b)
+        _, grads = zf.value_and_grad(loss)(state.params, batch)
+        return state.apply_gradients(grads), {}
+
+    return train_step
+
+
+def _frozen_after_functional(model, plain):
+    model.blocks[0].up.weight.requires_grad_(False)
+    return plain
+
+
+BAD = {
+    # (what the case does, what the error says)
+    "state_lacks_a_key": (None, "do not match the state's shard layout"),
+    "grads_lack_a_key": (_drop_a_gradient, "grads keys differ from params"),
+    "grad_of_another_shape": (_cut_a_gradient, "grads do not match params"),
+    "params_with_an_extra_key": (_extra_param, "not.a.param"),
+    "frozen_after_functional": (_frozen_after_functional, "had requires_grad set to False"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_compiled_step_still_refuses(case):
+    """The checks a traced step makes in dynamo's native forms (frozensets of keys, shapes and flags read by
+    ``map``) refuse what the eager checks refuse: the error is raised while dynamo traces."""
+    make, message = BAD[case]
+    step, state = _step(2, make)
+    if case == "state_lacks_a_key":
+        state = state.replace(params={k: v for k, v in state.params.items() if k != "blocks.0.up.bias"})
+    with pytest.raises(Exception, match=message.replace("(", r"\(")):
+        _compiled(step)(state, make_batch())
