@@ -143,7 +143,7 @@ def run_model_call(call: ModelCall) -> Any:
     # (While dynamo traces, the keys as a frozenset: it interprets a dict view's comparison per key.)
     if not call.block_wrappers and not (frozenset(call.params) >= structure.keys if tracing()
                                         else call.params.keys() >= structure.keys):
-        missing = sorted(structure.keys - call.params.keys())
+        missing = sorted(structure.keys - frozenset(call.params))  # (a view: dynamo 2.11 cannot subtract it)
         raise ValueError(f"params lack {len(missing)} trainable tensors of {type(model).__name__}: "
                          f"{', '.join(missing[:8])}; pass the params dict from zf.functional (or the state's)")
     prefixes = tuple(f"{name}." for name in call.block_wrappers)

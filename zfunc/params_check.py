@@ -54,13 +54,14 @@ def refuse_other_keys(model: nn.Module, keys: frozenset, aliases: dict[str, str]
     fail deep inside the model (a bare KeyError), an extra one would be silently ignored."""
     if same_keys(params, keys):
         return
-    missing = sorted(keys - params.keys())
+    given = frozenset(params)  # (not a dict view: dynamo 2.11 cannot subtract one from a frozenset)
+    missing = sorted(keys - given)
     if missing:
         raise ValueError(f"apply_fn{where}: params lack {len(missing)} trainable tensors of "
                          f"{type(model).__name__}: {', '.join(missing[:8])}; pass the params dict from "
                          "zf.functional (or the state's; a state built from a subset of the params must be "
                          "built again from all of them)")
-    _refuse_extra(model, aliases, sorted(params.keys() - keys, key=str), where)
+    _refuse_extra(model, aliases, sorted(given - keys, key=str), where)
 
 
 def _refuse_extra(model: nn.Module, aliases: dict[str, str], extra: list, where: str) -> None:

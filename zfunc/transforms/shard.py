@@ -295,7 +295,8 @@ class shard(Transform):  # noqa: N801
         if layout.stage != self.stage:
             raise ValueError(f"this state is laid out for stage {layout.stage}, the step is stage {self.stage}")
         if not same_keys(state.params, layout.keys):
-            missing, extra = sorted(layout.keys - state.params.keys()), sorted(state.params.keys() - layout.keys)
+            given = frozenset(state.params)  # (not a dict view: dynamo 2.11 cannot subtract one from a frozenset)
+            missing, extra = sorted(layout.keys - given), sorted(given - layout.keys)
             raise ValueError(f"{self!r}: state.params do not match the state's shard layout (missing: {missing[:6]}, "
                              f"unexpected: {extra[:6]}); use the state that step.init or the step returned")
         return layout, group
