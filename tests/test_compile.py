@@ -86,6 +86,36 @@ def test_shard_world_2(dist, name):
 
 
 @pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shard_stages_1_and_2_world_1(dist, stage):
+    """At one rank the update writes the whole parameters in place (the shards are views of them): nothing is
+    gathered after it, compiled as eager."""
+    check(dist(eager_and_compiled, 1, lambda s: shard(mixed_precision(s, "bf16"), stage=stage), timeout=600)[0])
+
+
+def _gathers_after_the_update(stage: int) -> int:
+    """How often a compiled step of ``stage`` on this rank traced the gather of the updated parameters."""
+    import importlib
+
+    import torch._dynamo
+
+    shard_module = importlib.import_module("zfunc.transforms.shard")  # (the module: the package exports the class)
+    calls, gather = [], shard_module.gather_updated
+    shard_module.gather_updated = lambda *a: (calls.append(1), gather(*a))[1]  # (this forked rank's module)
+    torch._dynamo.reset()
+    plain, state = build()
+    step = shard(mixed_precision(plain, "bf16"), stage=stage)
+    torch.compile(step, fullgraph=True, backend="eager")(step.init(state), local_batch(0, 0, 1))
+    return len(calls)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_one_rank_gathers_nothing_after_the_update(dist, stage):
+    """(The gather at one rank was an identity that cost the graph a concatenation and a copy per parameter.)"""
+    assert dist(_gathers_after_the_update, 1, stage, timeout=300)[0] == 0
+
+
+@pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
 def test_shard_stage_3_world_1(dist):
     check(dist(eager_and_compiled, 1, STACKS["s3_checkpoint"], timeout=600)[0])
 

@@ -589,9 +589,10 @@ class shard(Transform):  # noqa: N801
         write_back(shards, new.state.params)
         opt_state = zip_param_shaped(state.opt_state, new.state.opt_state, keys, write_back)
         extras = zip_param_shaped(state.extras, new.state.extras, keys, write_back)
-        if self.stage != 3 and tracing():
+        # (At world 1 the shard is the whole parameter: the update wrote it in place, traced or not.)
+        if self.stage != 3 and tracing() and comm.group.size > 1:
             gather_updated(comm, state.params, layout)
-        elif self.stage != 3 and comm.group.size > 1:  # (at world 1 the shard is the whole flat: updated in place)
+        elif self.stage != 3 and comm.group.size > 1:
             # NCCL gathers in place: each rank's input is its own slot of the output (NCCL's documented in-place
             # all-gather, as FSDP2 issues it), so the updated shard is not copied out first; gloo gets a copy.
             in_place = comm.group.device.type == "cuda" and all(f.device == comm.group.device for f in flats.values())

@@ -194,6 +194,8 @@ def unit_views(comm: CompiledComm, unit: UnitLayout, slices: dict, rank: int,
 
 def param_shards(params: dict, layout) -> dict[str, torch.Tensor]:
     """Stages 1/2: this rank's 1-D slices of the full parameters (views of them)."""
+    if layout.world_size == 1:  # (the whole of each: no range to find per key, which a trace pays per key)
+        return {key: params[key].reshape(-1) for unit in layout.units for key in unit.keys}
     shards = {}
     for unit in layout.units:
         for i, key in enumerate(unit.keys):
