@@ -32,27 +32,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import zfunc as zf
 from zfunc.testing import run_distributed
 from zfunc.testing.memory import fake_group_copies, peak_cpu_bytes, simulated_rank
 from zfunc.transforms import shard
 
-
-class Wide(nn.Module):
-    def __init__(self, width: int, blocks: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # (the tests' models)
+from tests.models import Wide
 
 
 def _compiler(contender: str, backend: str):

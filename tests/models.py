@@ -45,6 +45,21 @@ class TinyLM(nn.Module):
         return self.head(self.final_norm(x))
 
 
+class Wide(nn.Module):
+    """Weight-heavy square blocks (``blocks`` of ``width`` x ``width``, tanh) and a head to one output: with a
+    short batch, what a step keeps is mostly weights (the compiled steps' memory tests and benchmark)."""
+
+    def __init__(self, width: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def lm_loss(apply_fn):
     def loss_fn(params, batch):
         logits = apply_fn(params, batch["x"])

@@ -15,9 +15,10 @@ import operator
 
 import pytest
 import torch
-from torch import fx, nn
+from torch import fx
 
 import zfunc as zf
+from tests.models import Wide
 from tests.shard_cases import build, local_batch, rank_and_world
 from zfunc.compile_step import RegatherPass, _Chained, compile_step, inductor_options, regather
 from zfunc.testing.memory import fake_group_copies, peak_cpu_bytes, simulated_rank
@@ -297,20 +298,6 @@ def test_the_pass_leaves_a_world_1_graph_unchanged(dist):
 WIDTH, DEPTH = 256, 12
 
 
-class Wide(nn.Module):
-    """Weight-heavy square blocks and a short batch: what a step keeps is mostly weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _peaks(world: int) -> dict:
     """Peak live bytes of one stage-3 step (after two warm-up steps) as rank 0 of ``world`` simulated ranks
     (`simulated_rank`: deterministic), in blocks' worth of fp32 weights: eager, ``torch.compile``
@@ -330,7 +317,7 @@ def _peaks_here() -> dict:
 def _peak_of(compiler) -> int:
     torch._dynamo.reset()
     torch.manual_seed(0)
-    apply_fn, params = zf.functional(Wide())
+    apply_fn, params = zf.functional(Wide(WIDTH, DEPTH))
 
     def loss_fn(p, batch):
         return (apply_fn(p, batch["x"]) - batch["y"]).square().mean()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import zfunc as zf
-from tests.models import TinyLM, make_batch, tiny_lm_step
+from tests.models import TinyLM, Wide, make_batch, tiny_lm_step
 from tests.shard_cases import build, local_batch, optimizer, rank_and_world
 from tests.test_compile import check, eager_and_compiled
 from zfunc.model_structure import BlockDispatch
@@ -207,25 +207,11 @@ def _heap_in_use() -> int | None:
 WIDTH, DEPTH = 384, 8
 
 
-class Wide(nn.Module):
-    """Weight-heavy square blocks and a short batch: what a step keeps is mostly weights."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(DEPTH))
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def _kept_after_forward(regional: bool, recompute: bool) -> list[float]:
     """Heap bytes in use when the loss is made (the forward done, backward not begun) above those in
     use when the step starts, in blocks' worth of fp32 weights, for three steps."""
     torch.manual_seed(0)
-    apply_fn, params = zf.functional(Wide())
+    apply_fn, params = zf.functional(Wide(WIDTH, DEPTH))
     marks: list[int] = []
 
     def loss_fn(p, batch):
