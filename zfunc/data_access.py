@@ -40,7 +40,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from zfunc.tree import PLAIN_TENSOR_TYPES, read_in_c
+from zfunc.tree import PLAIN_TENSOR_TYPES, data_ptr_of, read_in_c
 
 _DATA = torch.Tensor.data  # the getset descriptor; its __get__ arrives as a fresh method-wrapper (compare with ==)
 
@@ -121,7 +121,6 @@ class ParamsWatch:
 
 
 _wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _data_pointers(tensors: Iterable[torch.Tensor]) -> list[int | None]:
@@ -131,7 +130,7 @@ def _data_pointers(tensors: Iterable[torch.Tensor]) -> list[int | None]:
     tensors = list(tensors)
     if read_in_c(tensors) and not any(map(_wrapped, tensors)):
         try:
-            return list(map(_data_ptr, tensors))
+            return list(map(data_ptr_of, tensors))
         except RuntimeError:  # a plain tensor without storage: the careful way below
             pass
     return [_data_pointer(t) for t in tensors]

@@ -299,6 +299,9 @@ version_of = operator.attrgetter("_version")
 shape_of = operator.attrgetter("shape")
 dtype_of = operator.attrgetter("dtype")
 requires_grad_of = operator.attrgetter("requires_grad")
+# (methods, unbound: ``map(data_ptr_of, tensors)``)
+data_ptr_of, numel_of, is_contiguous_of, device_index_of = (torch.Tensor.data_ptr, torch.Tensor.numel,
+                                                            torch.Tensor.is_contiguous, torch.Tensor.get_device)
 
 
 def read_in_c(values: Iterable) -> bool:

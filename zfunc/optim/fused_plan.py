@@ -28,12 +28,16 @@ import operator
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
-from zfunc.tree import dtype_of, read_in_c, still_the_same, weak_refs
-
-# (Unbound methods, for ``map``: a step reads these of every state tensor and gradient, from C; `read_in_c`
-# says when they may be used, i.e. for plain tensors outside a trace.)
-_data_ptr, _numel, _is_contiguous, _get_device = (torch.Tensor.data_ptr, torch.Tensor.numel,
-                                                 torch.Tensor.is_contiguous, torch.Tensor.get_device)
+from zfunc.tree import (
+    data_ptr_of,
+    device_index_of,
+    dtype_of,
+    is_contiguous_of,
+    numel_of,
+    read_in_c,
+    still_the_same,
+    weak_refs,
+)
 
 
 class _Held:
@@ -55,7 +59,7 @@ class _Held:
         buffer)."""
         tensors = list(map(d.__getitem__, keys))
         if still_the_same(self.refs, tensors) and (
-                list(map(_data_ptr, tensors)) if read_in_c(tensors) else [t.data_ptr() for t in tensors]) == self.ptrs:
+                list(map(data_ptr_of, tensors)) if read_in_c(tensors) else [t.data_ptr() for t in tensors]) == self.ptrs:
             return True  # (the usual step: the very tensors, where they were)
         for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
             if ref() is t:
@@ -165,10 +169,10 @@ class DevicePlan:
         if read_in_c(gs):
             # The loop below, made from C (this runs at every step, over every parameter): each gradient at its
             # run's first address plus its offset, of its size and the plan's dtype, contiguous, on the device.
-            bases = tuple(map(operator.sub, map(_data_ptr, gs), self._member_offsets))
-            if (bases != self._head_of_member(bases) or list(map(_numel, gs)) != self._member_numels
-                    or set(map(dtype_of, gs)) != {dtype} or not all(map(_is_contiguous, gs))
-                    or set(map(_get_device, gs)) != {device_index}):
+            bases = tuple(map(operator.sub, map(data_ptr_of, gs), self._member_offsets))
+            if (bases != self._head_of_member(bases) or list(map(numel_of, gs)) != self._member_numels
+                    or set(map(dtype_of, gs)) != {dtype} or not all(map(is_contiguous_of, gs))
+                    or set(map(device_index_of, gs)) != {device_index}):
                 return None
             # `_outside_state` for every run at once
             starts = self._first_of_run(bases)
