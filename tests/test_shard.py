@@ -225,3 +225,32 @@ def test_bad_orders_and_arguments_are_refused():
         shard(step, stage=4)
     assert repr(shard(offload(accumulate(step, micro_batches=2)), stage=3)) == \
         "shard(offload(accumulate(train_step, micro_batches=2)), stage=3)"
+
+
+def _refusal_of_a_loss_that_skips_the_model(stage: int, compiled: bool) -> str:
+    """The error of a step whose loss function never runs the model on the sharded params it is given."""
+    import torch
+
+    _, state = build()
+
+    def train_step(state, batch):
+        loss, grads = zf.value_and_grad(lambda p, b: sum((v.float() ** 2).sum() for v in p.values()))(
+            state.params, batch)
+        return state.apply_gradients(grads), {"loss": loss}
+
+    step = shard(train_step, stage=stage)
+    run = torch.compile(step, fullgraph=True, backend="eager") if compiled else step
+    try:
+        run(step.init(state), local_batch(0, 0, 1))
+    except Exception as err:  # noqa: BLE001 (the message is what the test reads)
+        return str(err)
+    return ""
+
+
+@pytest.mark.parametrize("stage, compiled", [(2, False), (3, False), (3, True)])
+def test_a_loss_that_does_not_run_the_model_on_its_params_is_refused(stage, compiled):
+    """Stages 2 and 3 differentiate shards, which only the model knows how to use: a loss that never runs it
+    is refused (stage 1 differentiates the full parameters). Compiled at one rank, stage 3 differentiates each
+    unit's flat buffer: a path of its own to refuse on."""
+    message = run_distributed(_refusal_of_a_loss_that_skips_the_model, 1, stage, compiled, timeout=300)[0]
+    assert "did not run the model on the params it was given" in message, message

@@ -422,10 +422,7 @@ class shard(Transform):  # noqa: N801
             return fn(ShardedParams(shard_params, full_flats, shaped), *a, **kw)
 
         value, grads = next(loss_on_shards, shards, args, kwargs, has_aux)
-        if call.sharded_applies == before:
-            raise RuntimeError(
-                "shard: the loss function did not run the model on the params it was given; under shard, pass "
-                "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        _refuse_unsharded_call(call, before)
         if shaped and grads is not None:
             grads = dict_of(grads, map(torch.flatten, grads.values()))  # (by ``map``: natively in a trace)
         return value, grads
@@ -447,10 +444,7 @@ class shard(Transform):  # noqa: N801
             return fn(ShardedParams(views, full_flats, True), *a, **kw)
 
         value, flat_grads = next(loss_on_flats, flats, args, kwargs, has_aux)
-        if call.sharded_applies == before:
-            raise RuntimeError(
-                "shard: the loss function did not run the model on the params it was given; under shard, pass "
-                "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
+        _refuse_unsharded_call(call, before)
         grads: dict = {}
         for unit in layout.units:
             parts = unit.split_flat(flat_grads[unit.name])
@@ -602,6 +596,15 @@ class shard(Transform):  # noqa: N801
                 comm.all_gather(mine if in_place else mine.clone(), out=flat, tag=unit.name)
         new_state = state.replace(step=new.state.step, opt_state=opt_state, extras={**extras, "shard": layout})
         return Updated(new_state, None)
+
+
+def _refuse_unsharded_call(call: _Call, before: int) -> None:
+    """After the loss function ran: refuse it if it never ran the model on the sharded params it was given
+    (``call.sharded_applies`` still ``before``)."""
+    if call.sharded_applies == before:
+        raise RuntimeError(
+            "shard: the loss function did not run the model on the params it was given; under shard, pass "
+            "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
 
 
 def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
