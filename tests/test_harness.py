@@ -187,6 +187,29 @@ def test_all_failing_ranks_are_reported():
         assert f"AssertionError: rank {r} disagrees" in str(info.value)
 
 
+def test_autograd_refused_after_fork_names_the_cause():
+    # What a CUDA build of torch raises in a forked rank once the test process ran a backward pass (the CPU
+    # build never does, so the rank raises the same message itself): the error says why and what to do.
+    from zfunc.testing import AUTOGRAD_FORK_REFUSAL
+
+    def fn():
+        raise RuntimeError(f"Unable to handle {AUTOGRAD_FORK_REFUSAL}. It is recommended to use spawn.")
+
+    with pytest.raises(DistributedError) as info:
+        run_distributed(fn, 2, timeout=60)
+    message = str(info.value)
+    assert "this is a CUDA build of torch, and the calling process ran a backward pass" in message
+    assert "run_distributed(fn, 1)" in message
+    assert message.index("CUDA build") < message.index("----- rank")  # the cause first, then the tracebacks
+
+    def other():
+        raise RuntimeError("another failure")
+
+    with pytest.raises(DistributedError) as info:
+        run_distributed(other, 2, timeout=60)
+    assert "CUDA build" not in str(info.value)
+
+
 def test_rank_dying_without_report():
     def fn():
         if tdist.get_rank() == 1:

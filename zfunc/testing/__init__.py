@@ -58,6 +58,12 @@ libgomp bundled in the wheel, 2 cores)
   ``NUMBA_NUM_THREADS=1`` for a later import. (``workqueue`` does not support
   concurrent or nested parallel kernel launches: numba aborts with a message
   if a test does that; set ``NUMBA_THREADING_LAYER`` explicitly to override.)
+* **autograd on a CUDA build of torch.** Once the parent ran a backward pass,
+  a CUDA build refuses autograd in every forked child ("Unable to handle
+  autograd's threading in combination with fork-based multiprocessing"): its
+  engine started device threads that a fork does not copy. The CPU build does
+  not. Tests run their single-process references inside a rank
+  (``run_distributed(ref, 1)``); the error a refused rank raises says so.
 * **torch.distributed state.** The parent must never create a process group
   (it would be inherited by every child, half-alive): ``run_distributed``
   refuses to run if one exists. Every worker builds its own group from a
@@ -370,6 +376,8 @@ def _failure_error(name, n, failures, killed):
             "Later failures are often consequences of the first one (e.g. gloo "
             "'Connection closed by peer' in ranks that were waiting for it)."
         )
+    if any(AUTOGRAD_FORK_REFUSAL in failures[r][1] for r in order):
+        parts.append(AUTOGRAD_FORK_HINT)
     for r in order:
         tag = " (first failure)" if r == first else ""
         parts.append(f"----- rank {r}{tag} -----\n{failures[r][1].rstrip()}")
@@ -380,6 +388,17 @@ def _failure_error(name, n, failures, killed):
         first_rank=first,
         killed=killed,
     )
+
+
+# What a CUDA build of torch raises in a forked child once the parent ran a backward pass (its autograd engine
+# started device threads, which do not survive fork); the CPU build CI runs never raises it.
+AUTOGRAD_FORK_REFUSAL = "autograd's threading in combination with fork-based multiprocessing"
+AUTOGRAD_FORK_HINT = (
+    "The ranks could not run autograd: this is a CUDA build of torch, and the calling process ran a backward "
+    "pass (or a compiled step) before forking them, which such a build refuses in every later fork. Run that "
+    "work inside the ranks (run_distributed(fn, 1) for a single-process reference) so the test process never "
+    "starts autograd; every later run_distributed call in this process fails the same way until then."
+)
 
 
 def _describe_death(code, after_result=False):
