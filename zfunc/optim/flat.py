@@ -42,6 +42,7 @@ import torch
 
 from zfunc.optim.fused import AdamSpec
 from zfunc.optim.transforms import global_norm
+from zfunc.tree import numel_of
 
 OWNER = "_zfunc_owner"
 
@@ -122,7 +123,7 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     for run in runs:
         if not frozenset(run) <= have:  # (not ``issuperset``, which dynamo interprets per key)
             return None
-        sizes.append(sum(list(map(torch.Tensor.numel, map(params.__getitem__, run)))))
+        sizes.append(sum(list(map(numel_of, map(params.__getitem__, run)))))
         covered += len(run)
     if covered != len(params):
         counted = {k for run in runs for k in run}
