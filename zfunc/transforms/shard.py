@@ -307,7 +307,8 @@ class shard(Transform):  # noqa: N801
     @staticmethod
     def _full_flats(params: dict, layout: ShardLayout) -> dict[str, torch.Tensor]:
         """Stages 1/2: the flat buffer each unit's full parameters are views of (while torch.compile
-        traces, which cannot find it: the unit's full parameters themselves, `shard_compiled`)."""
+        traces, which cannot find it from storage: the unit's full parameters themselves, `shard_compiled`;
+        at one rank `_flats_and_shards` reads it from the parameters first, `_one_rank_flats`)."""
         if tracing():
             return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
         flats = {}
