@@ -90,7 +90,8 @@ def test_shard_world_2(dist, name):
 WORLD_1 = {
     "bf16": lambda stage: lambda s: shard(mixed_precision(s, "bf16"), stage=stage),
     "fp32": lambda stage: lambda s: shard(s, stage=stage),
-    "offload_accumulate": lambda stage: lambda s: shard(offload(accumulate(mixed_precision(s, "bf16"), 2)), stage=stage),
+    "offload_accumulate": lambda stage: lambda s: shard(offload(accumulate(mixed_precision(s, "bf16"), 2)),
+                                                        stage=stage),
 }
 
 
