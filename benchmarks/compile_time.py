@@ -30,7 +30,8 @@ Contenders (one world-1 process group; the model: transformers' GPT2LMHeadModel 
   besides compiling (building the shard layout's tables, the CPU Adam kernel's JIT on a CPU), to
   subtract from the compiled zfunc contenders' figures;
 - ``zfunc-s3-compiled``: ``torch.compile(shard(mixed_precision(step), stage=3), fullgraph=True)``,
-  the whole step in one graph (every block unrolled);
+  the whole step in one graph (every block unrolled); ``zfunc-s1-compiled`` / ``zfunc-s2-compiled``: the
+  same at stage 1 / 2;
 - ``zfunc-s3-compiled-sgd``: the same with plain SGD instead of AdamW: the part of the compile that is
   the optimizer update (in the graph, one update per parameter tensor; the floor's optimizer is eager);
 - ``zfunc-s3-blocks`` / ``zfunc-s3-checkpoint-blocks``: ``compile_blocks`` (regional compile: each
@@ -53,8 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-CONTENDERS = ["floor", "zfunc-s3", "zfunc-s3-compiled", "zfunc-s3-compiled-sgd", "zfunc-s3-blocks",
-              "zfunc-s3-checkpoint-blocks"]
+CONTENDERS = ["floor", "zfunc-s3", "zfunc-s1-compiled", "zfunc-s2-compiled", "zfunc-s3-compiled",
+              "zfunc-s3-compiled-sgd", "zfunc-s3-blocks", "zfunc-s3-checkpoint-blocks"]
 SHAPES = {"tiny": (128, 4, 4, 512), "medium": (1024, 24, 16, 50257)}  # n_embd, n_layer, n_head, vocab
 
 
@@ -120,7 +121,7 @@ def zfunc_step(args, device, name):
         step = compile_blocks(step)
     if "-checkpoint" in name:
         step = checkpoint(step)
-    step = shard(step, stage=3)
+    step = shard(step, stage=int(name.split("-")[1][1:]))  # (zfunc-sN...: stage N)
     # (-sgd: plain SGD, the smallest update there is: what the rest of the compile costs without Adam's)
     tx = zf.optim.sgd(1e-4) if name.endswith("-sgd") else zf.optim.adamw(1e-4, weight_decay=0.1)
     box = {"state": step.init(zf.TrainState.create(params, tx))}

@@ -85,12 +85,23 @@ def test_shard_world_2(dist, name):
         check(result)
 
 
+# Stages 1/2 at one rank: with the compute copy of mixed precision written into the parameters, without it (the
+# update writes the parameters themselves), and around accumulate and offload.
+WORLD_1 = {
+    "bf16": lambda stage: lambda s: shard(mixed_precision(s, "bf16"), stage=stage),
+    "fp32": lambda stage: lambda s: shard(s, stage=stage),
+    "offload_accumulate": lambda stage: lambda s: shard(offload(accumulate(mixed_precision(s, "bf16"), 2)),
+                                                        stage=stage),
+}
+
+
 @pytest.mark.slow  # compiles (10-75 s each on 2 cores; the file: ~4 min)
+@pytest.mark.parametrize("name", list(WORLD_1))
 @pytest.mark.parametrize("stage", [1, 2])
-def test_shard_stages_1_and_2_world_1(dist, stage):
+def test_shard_stages_1_and_2_world_1(dist, stage, name):
     """At one rank the update writes the whole parameters in place (the shards are views of them): nothing is
-    gathered after it, compiled as eager."""
-    check(dist(eager_and_compiled, 1, lambda s: shard(mixed_precision(s, "bf16"), stage=stage), timeout=600)[0])
+    gathered after it, and the traced step differentiates each unit's flat buffer, compiled as eager."""
+    check(dist(eager_and_compiled, 1, WORLD_1[name](stage), timeout=600)[0])
 
 
 def _gathers_after_the_update(stage: int) -> int:

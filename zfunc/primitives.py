@@ -133,7 +133,12 @@ class UpdateRequest(NamedTuple):
     traced update can run once per buffer; ``flat_grads``: for each flat run,
     None or ``(flat, parts)``: a 1-D gradient of the run whose keys' gradients
     were made as ``parts`` (views of it, in order), read whole by the update
-    where the gradients it is given are still those very views.
+    where the gradients it is given are still those very views;
+    ``flat_params``: likewise for the parameters (and so the compute copy
+    `mixed_precision` asks for into them): per flat run, None or ``(flat,
+    parts)``, the run's parameters given as ``parts``, views of ``flat`` made
+    in a trace (which records no buffer on them), so that the update writes
+    the run's new values into ``flat`` in one piece.
     """
 
     compute_dtype: torch.dtype | None = None
@@ -142,6 +147,7 @@ class UpdateRequest(NamedTuple):
     grads_landing: Any = None
     flat_runs: tuple[tuple[str, ...], ...] | None = None
     flat_grads: tuple | None = None
+    flat_params: tuple | None = None
 
 
 class Updated(NamedTuple):

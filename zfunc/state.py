@@ -162,7 +162,8 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
             # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
             # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).
             done = flat_adam_update(tx.fused, params, grads, opt_state, request.flat_runs, request.compute_dtype,
-                                    request.compute_into, skip=skip, run_grads=request.flat_grads)
+                                    request.compute_into, skip=skip, run_grads=request.flat_grads,
+                                    run_params=request.flat_params)
         else:
             done = None
         if done is not None:

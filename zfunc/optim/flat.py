@@ -60,6 +60,17 @@ def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None
     return owner
 
 
+def _parts_of(tensors: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor | None:
+    """``made``'s flat (``(flat, parts)``, parts its views in ``keys`` order) where ``tensors[keys]`` are those very
+    parts and it holds exactly the run's ``used`` elements, else None. (Called only with a ``made``: a call that
+    dynamo inlines costs it ~30 instructions.)"""
+    flat, parts = made
+    if (flat.dim() == 1 and flat.numel() == used and len(parts) == len(keys)
+            and False not in list(map(operator.is_, map(tensors.__getitem__, keys), parts))):
+        return flat
+    return None
+
+
 def _read(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None) -> torch.Tensor:
     """The run's values as one 1-D tensor: the owner's leading span, else a concatenation."""
     if owner is not None:
@@ -70,21 +81,17 @@ def _read(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor |
 
 def _whole_gradient(grads: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor:
     """The run's gradients as one 1-D tensor: ``made``'s flat where ``grads[keys]`` are its parts, else `_read`."""
-    if made is not None:
-        flat, parts = made
-        if (flat.dim() == 1 and flat.numel() == used and len(parts) == len(keys)
-                and False not in list(map(operator.is_, map(grads.__getitem__, keys), parts))):
-            return flat
-    return _read(grads, keys, used, None)
+    flat = _parts_of(grads, keys, used, made) if made is not None else None
+    return flat if flat is not None else _read(grads, keys, used, None)
 
 
 def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor | None,
            new: torch.Tensor, out: dict) -> None:
     """``new`` (the run's new values) into ``out``: written into the owner in place (``out`` keeps the
-    tensors, views of it), else as new per-key tensors (views of ``new``)."""
+    tensors, views of it), else as new per-key tensors (views of ``new``). (Called under ``torch.no_grad``:
+    one for all of a run's writes, a context that dynamo interprets at each entry.)"""
     if owner is not None:
-        with torch.no_grad():
-            (owner if owner.numel() == used else owner[:used]).copy_(new)
+        (owner if owner.numel() == used else owner[:used]).copy_(new)
         return
     parts = new.split([tensors[k].numel() for k in keys]) if len(keys) > 1 else (new,)
     for k, part in zip(keys, parts):
@@ -93,7 +100,8 @@ def _write(tensors: dict, keys: tuple[str, ...], used: int, owner: torch.Tensor 
 
 def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, runs: tuple[tuple[str, ...], ...],
                      compute_dtype: torch.dtype | None = None, compute_into: dict | None = None,
-                     skip: torch.Tensor | None = None, run_grads: tuple | None = None):
+                     skip: torch.Tensor | None = None, run_grads: tuple | None = None,
+                     run_params: tuple | None = None):
     """One Adam/AdamW update run by run (see the module docstring): ``(params, opt_state, compute_copy)``,
     what `zfunc.optim.fused.fused_update` returns, or None where these tensors do not fit (then the caller
     takes the pure update).
@@ -110,6 +118,9 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
       run_grads: per run, None or ``(flat, parts)``: the run's gradients made as ``parts``, views of the 1-D
         ``flat`` (`zfunc.primitives.UpdateRequest.flat_grads`); where ``grads`` holds those very views, the run
         reads ``flat`` whole instead of concatenating them (the same values, one copy fewer in the graph).
+      run_params: per run, None or ``(flat, parts)``: the run's parameters made as ``parts``, views of ``flat``,
+        which record no owner (`zfunc.primitives.UpdateRequest.flat_params`); where ``params`` (or
+        ``compute_into``) holds those very views, ``flat`` is taken as their owner.
     """
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
@@ -132,9 +143,9 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
                 return None
     # Each run's operands as ``(tensors, owner)``: one dtype and device within a run (an owner's, else checked
     # key by key), the same across params and moments.
-    operands = []
-    for run in runs:
-        owned = [(d, owner_of(d, run)) for d in (params, mu, nu)]
+    operands, known = [], run_params if run_params is not None else (None,) * len(runs)
+    for run, used, made in zip(runs, sizes, known):
+        owned = [(params, _owner(params, run, used, made)), (mu, owner_of(mu, run)), (nu, owner_of(nu, run))]
         kinds = {(o.dtype, o.device) if o is not None else _one_kind(d, run) for d, o in owned}
         if len(kinds) != 1 or None in kinds:
             return None
@@ -158,7 +169,7 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
     fresh_copy: dict[str, torch.Tensor] = {}
     for i, (run, owned, used) in enumerate(zip(runs, operands, sizes)):
         owners = [o for _, o in owned]
-        p, m, v = (_read(d, run, used, o) for d, o in owned)
+        p, m, v = map(_read, (params, mu, nu), repeat(run), repeat(used), owners)  # (no generator for dynamo)
         u = _whole_gradient(grads, run, used, run_grads[i] if run_grads is not None else None)
         u = u if u.dtype == p.dtype else u.to(p.dtype)
         if clip_scale is not None:
@@ -174,19 +185,30 @@ def flat_adam_update(spec: AdamSpec, params: dict, grads: dict, opt_state: Any, 
         p_new = (p + update).to(p.dtype)
         if skip is not None:
             p_new, m_new, v_new = (torch.where(skip, old, new) for old, new in ((p, p_new), (m, m_new), (v, v_new)))
+        target = None
         if copy is not None:  # (before the master is written: its owner's span is ``p``'s storage)
             c_new = p_new.to(compute_dtype)
-            target = owner_of(compute_into, run)
+            target = _owner(compute_into, run, used, known[i])
             if target is not None and (target.dtype, target.device) != (compute_dtype, p.device):
                 target = None
-            _write(compute_into, run, used, target, c_new, fresh_copy)
-        for d, o, new, out in zip((params, mu, nu), owners, (p_new, m_new, v_new), (new_params, new_mu, new_nu)):
-            _write(d, run, used, o, new, out)
+        with torch.no_grad():
+            if copy is not None:
+                _write(compute_into, run, used, target, c_new, fresh_copy)
+            for d, o, new, out in zip((params, mu, nu), owners, (p_new, m_new, v_new), (new_params, new_mu, new_nu)):
+                _write(d, run, used, o, new, out)
     if copy is not None:
         copy.update(fresh_copy)
     new_params, new_mu, new_nu = (old if not fresh else {**old, **fresh}
                                   for old, fresh in ((params, new_params), (mu, new_mu), (nu, new_nu)))
     return new_params, spec.advanced(opt_state, new_mu, new_nu, lr, skip), copy
+
+
+def _owner(tensors: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor | None:
+    """The buffer ``tensors[keys]`` are views of: told (`_parts_of`: where the first is the first part), else
+    recorded on them (`owner_of`)."""
+    if made is not None and tensors[keys[0]] is made[1][0]:
+        return _parts_of(tensors, keys, used, made)
+    return owner_of(tensors, keys)
 
 
 def _one_kind(tensors: dict, keys: tuple[str, ...]) -> tuple[torch.dtype, torch.device] | None:

@@ -254,8 +254,11 @@ class shard(Transform):  # noqa: N801
             # (The owner also keeps a pinned buffer's registration as long as its views live.)
             new_params = owned_views(unit, placement.params_tensor(unit.rank_region(unit.pack_full(params),
                                                                                      layout.rank)), layout.rank)
-        else:  # full parameters, stored as views of one flat buffer per unit
-            new_params = unit.full_views(unit.pack_full(params).to(placement.device))
+        else:  # full parameters, stored as views of one flat buffer per unit, each recording it (`owned_views`)
+            flat = unit.pack_full(params).to(placement.device)
+            new_params = unit.full_views(flat)
+            for view in new_params.values():
+                setattr(view, OWNER, flat)
         return state.replace(params=new_params, opt_state=opt_state, extras=extras)
 
     def _finish(self, merged, state, layout: ShardLayout, placement: Placement, group: dist.Group):
@@ -304,7 +307,8 @@ class shard(Transform):  # noqa: N801
     @staticmethod
     def _full_flats(params: dict, layout: ShardLayout) -> dict[str, torch.Tensor]:
         """Stages 1/2: the flat buffer each unit's full parameters are views of (while torch.compile
-        traces, which cannot find it: the unit's full parameters themselves, `shard_compiled`)."""
+        traces, which cannot find it from storage: the unit's full parameters themselves, `shard_compiled`;
+        at one rank `_flats_and_shards` reads it from the parameters first, `_one_rank_flats`)."""
         if tracing():
             return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
         flats = {}
@@ -337,6 +341,13 @@ class shard(Transform):  # noqa: N801
         step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
         if self.stage == 3:
             return None, {**params}
+        if tracing():
+            flats = self._one_rank_flats(params, layout)  # (each unit's buffer, recorded on its parameters at init)
+            if flats is not None:  # the shards: each key's 1-D part of it, made by one split per unit
+                shards: dict = {}
+                for unit in layout.units:
+                    shards.update(unit.split_flat(flats[unit.name]))
+                return flats, shards
         if tracing() or not params:
             flats = self._full_flats(params, layout)
             return flats, self._param_shards(params, layout, flats)
@@ -388,6 +399,9 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
         if self.stage == 1:
+            flats = self._one_rank_flats(params, layout)
+            if flats is not None:
+                return self._value_and_grad_of_flats(next, fn, flats, layout, None, None, args, kwargs, has_aux)
             value, grads = next(fn, params, args, kwargs, has_aux)
             if comm.group.size == 1:
                 # One rank: its shard of a gradient is the whole gradient and the reduction the identity, so
@@ -402,13 +416,17 @@ class shard(Transform):  # noqa: N801
             return value, sharded
         if call.pipelined is not None:  # reduced in gradients_ready, once the schedule returned
             return next(fn, call.pipelined.full_params(params), args, kwargs, has_aux)
-        full_flats, shards = self._flats_and_shards(params, layout)  # (stage 2: found once per state)
-        if self.stage == 3:
-            shards = call.units.on_compute_device(shards)
         before = call.sharded_applies
         call.units.start_pass()
         shaped = self._runs_on_shards(call.units)
-        flats = _unit_flats(shards, layout) if shaped and tracing() and current().facts.tp == 1 else None
+        if shaped and self.stage == 2:  # (traced at one rank: the units' buffers, recorded on the parameters)
+            flats = self._one_rank_flats(params, layout)
+            if flats is not None:
+                return self._value_and_grad_of_flats(next, fn, flats, layout, flats, before, args, kwargs, has_aux)
+        full_flats, shards = self._flats_and_shards(params, layout)  # (stage 2: found once per state)
+        if self.stage == 3:
+            shards = call.units.on_compute_device(shards)
+        flats = self._one_rank_flats(shards, layout) if shaped and self.stage == 3 else None
         if flats is not None:
             return self._value_and_grad_of_flats(next, fn, flats, layout, full_flats, before, args, kwargs, has_aux)
         if shaped:
@@ -427,24 +445,34 @@ class shard(Transform):  # noqa: N801
             grads = dict_of(grads, map(torch.flatten, grads.values()))  # (by ``map``: natively in a trace)
         return value, grads
 
-    def _value_and_grad_of_flats(self, next, fn, flats: dict, layout: ShardLayout, full_flats, before: int,
+    def _one_rank_flats(self, tensors: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | None:
+        """While dynamo traces at one rank (no tensor or pipeline parallelism): each unit's flat buffer, found
+        from ``tensors`` (the parameters at stages 1/2, the shards at stage 3: `owned_views` and
+        `_partition_unit` record it on each), where every unit's are the whole of one buffer; else None."""
+        if not (tracing() and layout.world_size == 1):
+            return None
+        facts = current().facts
+        return _unit_flats(tensors, layout) if facts.tp == 1 and facts.pp == 1 else None
+
+    def _value_and_grad_of_flats(self, next, fn, flats: dict, layout: ShardLayout, full_flats, before: int | None,
                                  args, kwargs, has_aux):
-        """`value_and_grad` at one rank while dynamo traces, where every unit's shards are views of its flat
+        """`value_and_grad` at one rank while dynamo traces, where every unit's parameters are views of its flat
         buffer (``flats``): what is differentiated is each unit's flat buffer, the model given each parameter
         as a view of it, and each gradient handed on as the 1-D part of its unit's. The same numbers as
         differentiating every parameter; what torch.func.vjp wraps and unwraps, interpreted by dynamo leaf by
         leaf (~150 instructions each), is one tensor per unit, and the backward graph makes each unit's
-        gradient in one piece."""
+        gradient in one piece. (Stage 1, ``before`` None: the loss gets the views as plain full parameters.)"""
         call: _Call = self.call_scratch()
 
         def loss_on_flats(flat_params, *a, **kw):
             views: dict = {}
             for unit in layout.units:
                 views.update(unit.split_views(flat_params[unit.name]))
-            return fn(ShardedParams(views, full_flats, True), *a, **kw)
+            return fn(views if before is None else ShardedParams(views, full_flats, True), *a, **kw)
 
         value, flat_grads = next(loss_on_flats, flats, args, kwargs, has_aux)
-        _refuse_unsharded_call(call, before)
+        if before is not None:
+            _refuse_unsharded_call(call, before)
         grads: dict = {}
         for unit in layout.units:
             parts = unit.split_flat(flat_grads[unit.name])
@@ -558,14 +586,20 @@ class shard(Transform):  # noqa: N801
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
         if tracing():  # the update may run once per unit's flat buffers (`zfunc.optim.flat`)
-            runs, made = [], []
+            # Stages 1/2 at one rank: the shards were made in the trace as parts of each unit's buffer
+            # (`_flats_and_shards`), which they do not record: the update is told it, to write into it whole.
+            parted = (self.stage != 3 and layout.world_size == 1 and bool(layout.units)
+                      and isinstance(flats[layout.units[0].name], torch.Tensor))
+            runs, made, owners = [], [], []
             for unit in layout.units:
                 run = unit.filled_keys(layout.rank)
                 if run:
                     runs.append(run)
                     found = call.grad_flats.get(unit.name)  # (its gradient made whole: `_value_and_grad_of_flats`)
                     made.append(None if found is None else (found[0], tuple(map(found[1].__getitem__, run))))
-            request = request._replace(flat_runs=tuple(runs), flat_grads=tuple(made) if call.grad_flats else None)
+                    owners.append((flats[unit.name], tuple(map(shards.__getitem__, run))) if parted else None)
+            request = request._replace(flat_runs=tuple(runs), flat_grads=tuple(made) if call.grad_flats else None,
+                                       flat_params=tuple(owners) if parted else None)
         new = next(state.replace(params=shards), grads, request)
 
         def write_back(old: dict, fresh: dict) -> dict:
