@@ -61,24 +61,20 @@ from zfunc import dist
 from zfunc.compiled import dict_of, same_keys, tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
-from zfunc.optim.flat import OWNER, owner_of
+from zfunc.optim.flat import owner_of
 from zfunc.recompute import refuse_running_statistics
-from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
     ROOT,
     ShardLayout,
-    make_layout,
-    map_param_shaped,
-    merge_units,
     zip_param_shaped,
 )
 from zfunc.transforms.shard_blocks import BlockPlan, refuse_container_units
-from zfunc.transforms.shard_init import agree_on_structure, from_rank_zero, same_random_stream, warn_about_root
+from zfunc.transforms.shard_init import partition_meta_state, partition_state
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
 from zfunc.transforms.shard_units import Units
-from zfunc.tree import tree_map_tensors, version_of
+from zfunc.tree import version_of
 
 
 class ShardedParams(dict):
@@ -191,88 +187,13 @@ class shard(Transform):  # noqa: N801
 
     # -- layout --------------------------------------------------------------
     def init_state(self, state):
-        if "shard" in state.extras:
-            raise ValueError("shard.init: this state is already sharded; pass the plain state from TrainState.create")
-        group = self._group()
-        layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
-        agree_on_structure(self, state, layout, group)
-        state = from_rank_zero(state, group)
-        warn_about_root(layout)
-        placement = self._placement(layout, group)
-        keys = set(state.params)
-        pieces = []
-        for unit in layout.units:  # one unit at a time: its part of every param-shaped dict
-            part = lambda tree, unit=unit: {k: tree[k] for k in unit.keys}  # noqa: E731
-            sub = state.replace(params=part(state.params), opt_state=map_param_shaped(state.opt_state, keys, part),
-                                extras=map_param_shaped(dict(state.extras), keys, part))
-            pieces.append(self._partition_unit(sub, layout, unit, placement))
-        merged = merge_units(pieces, list(state.params))
-        return self._finish(merged, state, layout, placement, group)
+        return partition_state(self, state)
 
     def init_meta(self, state, init_device):
         """A meta-built model: values drawn unit by unit (`zfunc.materialize`); each complete unit goes
         through the inner transforms' init and is cut to this rank's share at once, so no rank ever holds
-        more than one unit (and the root unit) of full values."""
-        group = self._group()
-        layout = make_layout(state.params, self.stage, group.size, group.rank, self.units, state.blocks)
-        agree_on_structure(self, state, layout, group)
-        same_random_stream(group, torch.device(init_device))
-        warn_about_root(layout)
-        placement = self._placement(layout, group)
-        pieces = []
-
-        def take(name: str, values: dict[str, torch.Tensor]) -> None:
-            unit = layout.unit_of_name(name)
-            sub = type(state).create({k: values[k] for k in unit.keys}, state.tx)
-            del values
-            sub = self.step.init(sub) if isinstance(self.step, Transform) else sub
-            pieces.append(self._partition_unit(sub, layout, unit, placement))
-
-        state.materializer.run({u.name: frozenset(u.keys) for u in layout.units}, take, init_device, group.device)
-        merged = merge_units(pieces, list(state.params))
-        return self._finish(merged.replace(ties=state.ties, blocks=state.blocks), state, layout, placement, group)
-
-    def _placement(self, layout: ShardLayout, group: dist.Group) -> Placement:
-        facts = self.stack.facts
-        return Placement([(u.name, u.shard_size) for u in layout.units], facts.optimizer_split, group.device,
-                         facts.params_tier, facts.nvme_dir)
-
-    def _partition_unit(self, state, layout: ShardLayout, unit, placement: Placement):
-        """``state``'s part for ``unit`` (full tensors, inner transforms' layout) as this rank's share, each
-        kind of tensor on its tier (`zfunc.tiers.placement`): parameters where the stack computes (stage 3:
-        where parameter shards live), optimizer state and masters on the unit's tier."""
-        keys = set(unit.keys)
-
-        def optimizer(tree: dict) -> dict:
-            region = unit.rank_region(unit.pack_full(tree), layout.rank)
-            return owned_views(unit, placement.optimizer_tensor(unit.name, region), layout.rank)
-
-        opt_state = map_param_shaped(state.opt_state, keys, optimizer)
-        extras = map_param_shaped(dict(state.extras), keys, optimizer)
-        params = {k: state.params[k] for k in unit.keys}
-        if self.stage == 3:
-            # (The owner also keeps a pinned buffer's registration as long as its views live.)
-            new_params = owned_views(unit, placement.params_tensor(unit.rank_region(unit.pack_full(params),
-                                                                                     layout.rank)), layout.rank)
-        else:  # full parameters, stored as views of one flat buffer per unit, each recording it (`owned_views`)
-            flat = unit.pack_full(params).to(placement.device)
-            new_params = unit.full_views(flat)
-            for view in new_params.values():
-                setattr(view, OWNER, flat)
-        return state.replace(params=new_params, opt_state=opt_state, extras=extras)
-
-    def _finish(self, merged, state, layout: ShardLayout, placement: Placement, group: dist.Group):
-        """The merged units' state, with the shard layout recorded and the small replicated tensors
-        (step, counts, loss scale) on the compute device when the whole optimizer state is there."""
-        merged = merged.replace(extras={**merged.extras, "shard": layout}, ties=state.ties, blocks=state.blocks)
-        if group.device.type == "cuda" and self.stack.facts.optimizer_split[0] >= 1.0:
-            keys = set(state.params)
-            on_device = lambda t: t.to(group.device)  # noqa: E731
-            small = lambda tree: tree_map_tensors(on_device, tree)  # noqa: E731
-            merged = merged.replace(step=on_device(merged.step),
-                                    opt_state=_map_small(merged.opt_state, keys, small),
-                                    extras=_map_small(merged.extras, keys, small))
-        return merged
+        more than one unit (and the root unit) of full values (`shard_init.partition_meta_state`)."""
+        return partition_meta_state(self, state, init_device)
 
     def gather_params(self, state, next) -> dict[str, torch.Tensor]:
         layout, group = self._check_layout(state)
@@ -447,8 +368,8 @@ class shard(Transform):  # noqa: N801
 
     def _one_rank_flats(self, tensors: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | None:
         """While dynamo traces at one rank (no tensor or pipeline parallelism): each unit's flat buffer, found
-        from ``tensors`` (the parameters at stages 1/2, the shards at stage 3: `owned_views` and
-        `_partition_unit` record it on each), where every unit's are the whole of one buffer; else None."""
+        from ``tensors`` (the parameters at stages 1/2, the shards at stage 3: `shard_init` records it on each
+        at init), where every unit's are the whole of one buffer; else None."""
         if not (tracing() and layout.world_size == 1):
             return None
         facts = current().facts
@@ -641,18 +562,9 @@ def _refuse_unsharded_call(call: _Call, before: int) -> None:
             "the params argument of your loss function unchanged to apply_fn (a copy loses the sharding)")
 
 
-def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
-    """Per-key views of ``unit``'s flat shard on ``rank``, each recording the buffer it views (``_zfunc_owner``,
-    `zfunc.optim.flat`: a compiled step updates and writes back the unit through it, in one piece)."""
-    views = unit.shard_views(flat_shard, rank)
-    for view in views.values():
-        setattr(view, OWNER, flat_shard)
-    return views
-
-
 def _unit_flats(shards: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | None:
     """``{unit name: the flat buffer its keys' shards are views of}`` where every unit's shards are, in order,
-    the whole of one buffer of their own (`owned_views` at one rank), else None."""
+    the whole of one buffer of their own (`shard_init.owned_views` at one rank), else None."""
     flats = {}
     for unit in layout.units:
         flat = owner_of(shards, unit.keys)
@@ -668,8 +580,3 @@ def _under_torch_func() -> bool:
         return False
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)  # private; present since 2.0
     return peek is not None and peek() is not None
-
-
-def _map_small(tree, keys: set, fn):
-    """``tree`` with ``fn`` applied to every tensor but those in its param-shaped dicts (which stay where placed)."""
-    return map_param_shaped(tree, keys, lambda d: d, lambda x: fn(x) if isinstance(x, torch.Tensor) else x)

@@ -1,4 +1,5 @@
-"""What `shard` does once, at ``step.init``, for the ranks to train one model.
+"""What `shard` does once, at ``step.init``, for the ranks to train one model, and how it cuts the state to
+this rank's share (`partition_state`, `partition_meta_state`: unit by unit, each kind of tensor on its tier).
 
 Every rank must build the same step over the same model (`agree_on_structure`:
 the step, parameter names, shapes and dtypes, units, optimizer structure and
@@ -22,7 +23,10 @@ from typing import Any
 import torch
 
 from zfunc import dist
-from zfunc.transforms.shard_layout import ROOT, ShardLayout
+from zfunc.interpret import Transform
+from zfunc.optim.flat import OWNER
+from zfunc.tiers.placement import Placement
+from zfunc.transforms.shard_layout import ROOT, ShardLayout, make_layout, map_param_shaped, merge_units
 from zfunc.tree import tree_leaves, tree_map_tensors
 
 log = logging.getLogger("zfunc.shard")
@@ -158,3 +162,110 @@ def warn_about_root(layout: ShardLayout) -> None:
             f"shard(stage=3): the root unit holds {root / total:.0%} of the parameters and is gathered whole for "
             f"the whole step ({len(layout.units) - 1} block units were found). If the model has blocks that "
             "find_blocks did not recognize, name them with shard(..., units=[...]).", stacklevel=3)
+
+
+# -- cutting the state to this rank's share ------------------------------------------------------------------
+def partition_state(transform: Any, state):
+    """``shard.init_state``: the plain state ``state`` (every rank's the same after `from_rank_zero`) laid out
+    in units (`shard_layout.make_layout`) and cut, unit by unit, to this rank's share on each tensor's tier."""
+    if "shard" in state.extras:
+        raise ValueError("shard.init: this state is already sharded; pass the plain state from TrainState.create")
+    group = transform._group()
+    layout = make_layout(state.params, transform.stage, group.size, group.rank, transform.units, state.blocks)
+    agree_on_structure(transform, state, layout, group)
+    state = from_rank_zero(state, group)
+    warn_about_root(layout)
+    placement = _placement(transform, layout, group)
+    keys = set(state.params)
+    pieces = []
+    for unit in layout.units:  # one unit at a time: its part of every param-shaped dict
+        part = lambda tree, unit=unit: {k: tree[k] for k in unit.keys}  # noqa: E731
+        sub = state.replace(params=part(state.params), opt_state=map_param_shaped(state.opt_state, keys, part),
+                            extras=map_param_shaped(dict(state.extras), keys, part))
+        pieces.append(_partition_unit(transform.stage, sub, layout, unit, placement))
+    merged = merge_units(pieces, list(state.params))
+    return _finish(transform, merged, state, layout, group)
+
+
+def partition_meta_state(transform: Any, state, init_device):
+    """``shard.init_meta``: a meta-built model's values drawn unit by unit (`zfunc.materialize`); each complete
+    unit goes through the inner transforms' init and is cut to this rank's share at once, so no rank ever
+    holds more than one unit (and the root unit) of full values."""
+    group = transform._group()
+    layout = make_layout(state.params, transform.stage, group.size, group.rank, transform.units, state.blocks)
+    agree_on_structure(transform, state, layout, group)
+    same_random_stream(group, torch.device(init_device))
+    warn_about_root(layout)
+    placement = _placement(transform, layout, group)
+    inner = transform.step
+    pieces = []
+
+    def take(name: str, values: dict[str, torch.Tensor]) -> None:
+        unit = layout.unit_of_name(name)
+        sub = type(state).create({k: values[k] for k in unit.keys}, state.tx)
+        del values
+        sub = inner.init(sub) if isinstance(inner, Transform) else sub
+        pieces.append(_partition_unit(transform.stage, sub, layout, unit, placement))
+
+    state.materializer.run({u.name: frozenset(u.keys) for u in layout.units}, take, init_device, group.device)
+    merged = merge_units(pieces, list(state.params))
+    return _finish(transform, merged.replace(ties=state.ties, blocks=state.blocks), state, layout, group)
+
+
+def _placement(transform: Any, layout: ShardLayout, group: dist.Group) -> Placement:
+    facts = transform.stack.facts
+    return Placement([(u.name, u.shard_size) for u in layout.units], facts.optimizer_split, group.device,
+                     facts.params_tier, facts.nvme_dir)
+
+
+def _partition_unit(stage: int, state, layout: ShardLayout, unit, placement: Placement):
+    """``state``'s part for ``unit`` (full tensors, inner transforms' layout) as this rank's share, each
+    kind of tensor on its tier (`zfunc.tiers.placement`): parameters where the stack computes (stage 3:
+    where parameter shards live), optimizer state and masters on the unit's tier."""
+    keys = set(unit.keys)
+
+    def optimizer(tree: dict) -> dict:
+        region = unit.rank_region(unit.pack_full(tree), layout.rank)
+        return owned_views(unit, placement.optimizer_tensor(unit.name, region), layout.rank)
+
+    opt_state = map_param_shaped(state.opt_state, keys, optimizer)
+    extras = map_param_shaped(dict(state.extras), keys, optimizer)
+    params = {k: state.params[k] for k in unit.keys}
+    if stage == 3:
+        # (The owner also keeps a pinned buffer's registration as long as its views live.)
+        new_params = owned_views(unit, placement.params_tensor(unit.rank_region(unit.pack_full(params),
+                                                                                 layout.rank)), layout.rank)
+    else:  # full parameters, stored as views of one flat buffer per unit, each recording it (`owned_views`)
+        flat = unit.pack_full(params).to(placement.device)
+        new_params = unit.full_views(flat)
+        for view in new_params.values():
+            setattr(view, OWNER, flat)
+    return state.replace(params=new_params, opt_state=opt_state, extras=extras)
+
+
+def _finish(transform: Any, merged, state, layout: ShardLayout, group: dist.Group):
+    """The merged units' state, with the shard layout recorded and the small replicated tensors
+    (step, counts, loss scale) on the compute device when the whole optimizer state is there."""
+    merged = merged.replace(extras={**merged.extras, "shard": layout}, ties=state.ties, blocks=state.blocks)
+    if group.device.type == "cuda" and transform.stack.facts.optimizer_split[0] >= 1.0:
+        keys = set(state.params)
+        on_device = lambda t: t.to(group.device)  # noqa: E731
+        small = lambda tree: tree_map_tensors(on_device, tree)  # noqa: E731
+        merged = merged.replace(step=on_device(merged.step),
+                                opt_state=_map_small(merged.opt_state, keys, small),
+                                extras=_map_small(merged.extras, keys, small))
+    return merged
+
+
+def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
+    """Per-key views of ``unit``'s flat shard on ``rank``, each recording the buffer it views (``_zfunc_owner``,
+    `zfunc.optim.flat`: a compiled step updates and writes back the unit through it, in one piece)."""
+    views = unit.shard_views(flat_shard, rank)
+    for view in views.values():
+        setattr(view, OWNER, flat_shard)
+    return views
+
+
+def _map_small(tree, keys: set, fn):
+    """``tree`` with ``fn`` applied to every tensor but those in its param-shaped dicts (which stay where placed)."""
+    return map_param_shaped(tree, keys, lambda d: d, lambda x: fn(x) if isinstance(x, torch.Tensor) else x)
