@@ -221,8 +221,8 @@ class AdamRuns:
         out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
     """
 
-    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "lengths", "numel", "out_dtype",
-                 "weight_decays")
+    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "grads_aligned", "lengths", "numel",
+                 "out_dtype", "weight_decays")
 
     def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
         self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
@@ -230,6 +230,7 @@ class AdamRuns:
         self.numel = sum(lengths)
         self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
         self._grad_ptrs: list[int] | None = None
+        self.grads_aligned = False  # whether every address set last is 16-byte aligned (`set_grads`)
 
     @property
     def device(self) -> torch.device:
@@ -296,6 +297,7 @@ class AdamRuns:
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
         self.grads.copy_(host, non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
+        self.grads_aligned = all(p % 16 == 0 for p in ptrs)  # (here, once per new addresses: not per launch)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

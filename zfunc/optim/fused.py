@@ -217,7 +217,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
         plan, grad_ptrs = planned
         plan.launch(spec, grad_ptrs, lr, step, divisor, skip)
-        copy = None if plan.out_dtype is None else {k: compute_into[k] for k in params}
+        copy = None if plan.out_dtype is None else dict(zip(params, map(compute_into.__getitem__, params)))
         return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
