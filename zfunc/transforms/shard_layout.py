@@ -438,6 +438,8 @@ def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dic
     itself is that dict, as `zfunc.transforms.shard`'s write-back makes it; the fused update hands its
     moments back so, and they are not walked key by key at every step). (Not while dynamo traces: its 2.11
     cannot trace ``is`` between two dicts.)"""
+    if not isinstance(old, (dict, list, tuple)):  # (a leaf: a count, a scale, a layout)
+        return new
     if not tracing() and old is new:
         return new
     if is_param_shaped(old, keys) and isinstance(new, dict):
