@@ -372,12 +372,12 @@ def test_state_identities_are_trusted_only_while_every_held_tensor_lives():
     flat = torch.zeros(12)
     a, b = flat[:6], flat[6:]
     held = fused_plan._Held([a, b])
-    assert held.same([a, b]) and held.alive[0]
+    assert held.same([a, b]) and held.same_objects.alive[0]
     assert not held.same([a, flat[6:]])  # (a new view at b's address: not the same object)
     as_int = flat.view(torch.int32)
     dead_id, dead_ptr = id(b), b.data_ptr()
     del b  # (freed here: no other reference)
-    assert not held.alive[0]
+    assert not held.same_objects.alive[0]
     # A tensor at b's address with another dtype, made until one takes b's id (CPython reuses the freed slot).
     made = []
     for _ in range(1000):

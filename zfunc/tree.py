@@ -289,6 +289,29 @@ def still_the_same(refs: list[weakref.ref], tensors: Iterable[torch.Tensor]) -> 
 _dereference = weakref.ref.__call__
 
 
+class SameObjects:
+    """Whether a sequence of objects is, one by one, the very objects it was made from, without keeping them
+    alive and without reading them: their ids, compared from C (a step's check of every tensor of a state,
+    whose cost on a GPU host is the memory each read touches). An id names one object only while it lives, so
+    the ids are trusted only while every one of the objects does: a weak reference's callback, run as one
+    dies (before its id can be reused), turns ``alive`` off for good."""
+
+    __slots__ = ("alive", "ids", "refs")
+
+    def __init__(self, objects: Iterable) -> None:
+        objects = list(objects)
+        self.alive = alive = [True]
+
+        def died(_ref, alive=alive) -> None:  # (holds the flag only: the holder is not kept alive by its refs)
+            alive[0] = False
+
+        self.refs = [weakref.ref(o, died) for o in objects]
+        self.ids = tuple(map(id, objects))
+
+    def __call__(self, objects: Iterable) -> bool:
+        return self.alive[0] and tuple(map(id, objects)) == self.ids
+
+
 # -- reads of every tensor of a list, at C speed ----------------------------------------------------------
 # A step reads a few attributes of every parameter (its version, its data pointer, its shape) for checks that
 # pass in the common case; a comprehension makes one Python-level call per tensor and read, which on a GPU

@@ -24,20 +24,18 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-import weakref
 
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
 from zfunc.tree import (
+    SameObjects,
     data_ptr_of,
     device_index_of,
     dtype_of,
     is_contiguous_of,
     numel_of,
     read_in_c,
-    still_the_same,
-    weak_refs,
 )
 
 
@@ -45,12 +43,11 @@ class _Held:
     """What a plan expects of the state (params, moments, compute copy: every operand's tensors, key by key, in
     one list): the tensors it was built from (weakly), their addresses, dtypes and sizes.
 
-    The usual step is given the very tensors, where they were. That is found from C in two passes over the
-    list, by identity (``id``) and address: an id names one object only while it lives, so the ids are
-    trusted only while none of these tensors has died (a weak reference's callback clears ``alive``, before
-    the id can be reused). Otherwise the tensors are compared one by one (`still_at`)."""
+    The usual step is given the very tensors, where they were: found from C in two passes over the list,
+    by identity (`zfunc.tree.SameObjects`: ids, trusted while every held tensor lives) and address.
+    Otherwise the tensors are compared one by one (`still_at`)."""
 
-    __slots__ = ("alive", "dtypes", "ids", "numels", "plain", "ptrs", "refs")
+    __slots__ = ("dtypes", "numels", "plain", "ptrs", "same_objects")
 
     def __init__(self, tensors: list) -> None:
         self.dtypes = [t.dtype for t in tensors]
@@ -61,21 +58,18 @@ class _Held:
         """Hold ``tensors``: at build, and later ones `still_at` found where the held ones were (the same
         addresses; the dtypes and sizes stay those the plan was built with), so that the steps after find
         them from C."""
-        self.alive = alive = [True]
-
-        def died(_ref, alive=alive) -> None:  # (holds the flag, not the plan: a dead plan's refs die with it)
-            alive[0] = False
-
-        self.refs = [weakref.ref(t, died) for t in tensors]
-        self.ids = tuple(map(id, tensors))
+        self.same_objects = SameObjects(tensors)
         self.ptrs = tuple(t.data_ptr() for t in tensors)
         self.plain = read_in_c(tensors)  # (the same objects later: their addresses read by ``map`` too)
 
+    @property
+    def refs(self) -> list:
+        return self.same_objects.refs
+
     def same(self, tensors: list) -> bool:
         """Whether ``tensors`` are the very tensors held, each at its address (the usual step, from C)."""
-        return (self.alive[0] and tuple(map(id, tensors)) == self.ids
-                and (tuple(map(data_ptr_of, tensors)) if self.plain
-                     else tuple(t.data_ptr() for t in tensors)) == self.ptrs)
+        return self.same_objects(tensors) and (tuple(map(data_ptr_of, tensors)) if self.plain
+                                               else tuple(t.data_ptr() for t in tensors)) == self.ptrs
 
     def still_at(self, tensors: list, device_index: int) -> bool:
         """Whether ``tensors`` are, one by one, the tensor held at its address, or one of its dtype and size,

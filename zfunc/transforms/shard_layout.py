@@ -27,7 +27,7 @@ import torch
 
 from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
-from zfunc.tree import register_pytree_node, still_the_same, weak_refs
+from zfunc.tree import SameObjects, register_pytree_node
 
 ROOT = ""
 
@@ -275,21 +275,21 @@ class StateViews:
     views), and left out of copies and pickles (a copy of a state finds its own)."""
 
     def __init__(self) -> None:
-        self._entry: tuple[list[weakref.ref], dict, dict] | None = None
+        self._entry: tuple[SameObjects, dict, dict] | None = None
 
     def get(self, params: dict) -> tuple[dict, dict] | None:
         entry = self._entry  # (read once: another thread may put its own state's)
-        if entry is None or not still_the_same(entry[0], params.values()):
+        if entry is None or not entry[0](params.values()):
             return None
         return entry[1], entry[2]
 
     def put(self, params: dict, flats: dict, shards: dict) -> None:
-        refs = weak_refs(params.values())
-        self._entry = (refs, flats, shards)
-        weakref.finalize(next(iter(params.values())), self._drop, refs)
+        same = SameObjects(params.values())
+        self._entry = (same, flats, shards)
+        weakref.finalize(next(iter(params.values())), self._drop, same)
 
-    def _drop(self, refs: list) -> None:
-        if self._entry is not None and self._entry[0] is refs:
+    def _drop(self, same: SameObjects) -> None:
+        if self._entry is not None and self._entry[0] is same:
             self._entry = None
 
     def __deepcopy__(self, memo) -> "StateViews":
