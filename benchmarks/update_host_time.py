@@ -13,7 +13,10 @@ The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at wi
 `zf.optim.cuda_graphed`: the fused update captured once in a CUDA graph and replayed (the warm-up steps
 capture it; the timed steps are replays). Columns: the phase's host and GPU time, the host time inside
 `zfunc.optim.fused.fused_update` alone (the part the graph replaces: the plan's per-key check stays),
-Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails).
+Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails),
+and moves of the gradients' addresses to the device per timed step (`AdamRuns.set_grads` finding new
+addresses: 0.00 where the gradients land where they did the step before, as the caching allocator
+usually places them; each move also re-checks them against the state's buffers).
 
 On the CPU (the default) the update takes the path it takes on a GPU (`zfunc.optim.fused.on_host`
 patched), with every Triton launch replaced by a stub that only counts it (and a graph's replay by one that
@@ -60,6 +63,7 @@ from host_time import BATCH, SEQ, VOCAB, make_model
 
 import zfunc as zf
 from zfunc import state as zf_state
+from zfunc.kernels import adam_segments
 from zfunc.optim import update_graph
 from zfunc.transforms import mixed_precision, shard
 
@@ -139,6 +143,17 @@ def _counted_replay(self) -> None:
 
 
 update_graph.UpdateGraph.replay = _counted_replay
+# Gradient addresses moved to the device (`AdamRuns.set_grads` given addresses other than the last ones).
+MOVES = [0]
+_set_grads = adam_segments.AdamRuns.set_grads
+
+
+def _counted_set_grads(self, ptrs) -> None:
+    MOVES[0] += ptrs != self._grad_ptrs
+    _set_grads(self, ptrs)
+
+
+adam_segments.AdamRuns.set_grads = _counted_set_grads
 
 
 class Phase:
@@ -234,12 +249,13 @@ def measure(name: str, device: torch.device, steps: int, launches: Launches, pro
         one(tokens)
     phase.host.clear()
     phase.events.clear()
-    before, replayed = launches.count, REPLAYS[0]
+    before, replayed, moved = launches.count, REPLAYS[0], MOVES[0]
     FUSED_HOST.clear()
     pr = phase.profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         one(tokens)
     out = {"launches": (launches.count - before) / steps, "replays": (REPLAYS[0] - replayed) / steps,
+           "moves": (MOVES[0] - moved) / steps,
            "fused_ms": 1e3 * statistics.median(FUSED_HOST) if FUSED_HOST else None}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -279,8 +295,8 @@ def main(argv=None) -> None:
     model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
     print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
           f"{args.steps} steps")
-    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays |\n"
-          "|---|---|---|---|---|---|")
+    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays | address moves |\n"
+          "|---|---|---|---|---|---|---|")
     failed = []
     for name in names:
         r = measure(name, device, args.steps, launches, medium=args.medium, fixed_grads=args.fixed_grads,
@@ -288,7 +304,9 @@ def main(argv=None) -> None:
         gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
         count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
         fused_ms = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
-        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} |", flush=True)
+        moves = "-" if name == "floor" else f"{r['moves']:.2f}"
+        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} | {moves} |",
+              flush=True)
         if name.endswith("g") and r["replays"] != 1:  # (the graph route must have replayed at every timed step)
             failed.append(f"{name}: the update was replayed at {r['replays']:.2f} of the timed steps, not at every one")
     if failed:
