@@ -434,3 +434,26 @@ def test_gradient_alignment_found_once_per_new_addresses():
     assert not table.grads_aligned and table.grads.tolist() == [32, 66]
     table.set_grads([48, 80])
     assert table.grads_aligned
+
+
+@quiet
+def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, monkeypatch):
+    """A stack that hands new views of the same buffers at every step is compared one by one at each (as it
+    must be) and still updated through the one plan; the plan holds them again only at the 1st, 2nd, 4th, ...
+    such step in a row (no weak reference made per tensor per step); the very tensors again: found from C."""
+    tx = optimizer("adamw", False)
+    spec = tx.fused
+    params, opt_state, keep = make_state(tx)
+    grads = views({}, dtype=torch.bfloat16, seed=10)
+    params, opt_state, _ = fused.fused_update(spec, params, grads, opt_state)
+    plan = spec.tables[fused._PLAN]
+    rearms = []
+    rearm = fused_plan._Held.rearm
+    monkeypatch.setattr(fused_plan._Held, "rearm", lambda self, t: (rearms.append(1), rearm(self, t)))
+    for _ in range(8):
+        params, opt_state, _ = fused.fused_update(spec, {k: t.view(t.shape) for k, t in params.items()}, grads,
+                                                  opt_state)
+    assert len(rearms) == 4 and plan._held.misses == 8  # (at the 1st, 2nd, 4th and 8th)
+    assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1 and device_path["runs"] == 9
+    fused.fused_update(spec, params, grads, opt_state)  # (the tensors held at the 8th)
+    assert plan._held.misses == 0 and len(rearms) == 4

@@ -47,11 +47,12 @@ class _Held:
     by identity (`zfunc.tree.SameObjects`: ids, trusted while every held tensor lives) and address.
     Otherwise the tensors are compared one by one (`still_at`)."""
 
-    __slots__ = ("dtypes", "numels", "plain", "ptrs", "same_objects")
+    __slots__ = ("dtypes", "misses", "numels", "plain", "ptrs", "same_objects")
 
     def __init__(self, tensors: list) -> None:
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
+        self.misses = 0  # steps in a row given other tensors than those held (`DevicePlan.grad_addresses`)
         self.rearm(tensors)
 
     def rearm(self, tensors: list) -> None:
@@ -193,7 +194,14 @@ class DevicePlan:
         if not held.same(tensors):
             if not held.still_at(tensors, self._device_index):
                 return None
-            held.rearm(tensors)
+            # Held from now on, so that the steps after find them from C; but where every step hands new tensors
+            # (which is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th, ... such step
+            # in a row, not made into weak references at each.
+            held.misses += 1
+            if not held.misses & (held.misses - 1):
+                held.rearm(tensors)
+        else:
+            held.misses = 0
         try:
             return self._grads_at(grads)
         except KeyError:
