@@ -3,6 +3,7 @@
     python benchmarks/update_host_time.py [--stacks floor,s1,s1g,s2,s2g,s3,s3g] [--steps 30] [--profile s3]
     python benchmarks/update_host_time.py --device cuda        # on a GPU: real launches, GPU time too
     python benchmarks/update_host_time.py --device cuda --medium   # GPT-2 medium's real widths (355M)
+    python benchmarks/update_host_time.py --stacks floor,s1,s2,s3 --fixed-grads --evict --steps 200
 
 The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at width 64), in
 ``shard(mixed_precision(step, "bf16"), stage=N)`` at world 1; the phase timed is the update: from
@@ -12,7 +13,10 @@ The model is `host_time.py`'s (GPT-2 medium's 24 blocks and 292 parameters at wi
 `zf.optim.cuda_graphed`: the fused update captured once in a CUDA graph and replayed (the warm-up steps
 capture it; the timed steps are replays). Columns: the phase's host and GPU time, the host time inside
 `zfunc.optim.fused.fused_update` alone (the part the graph replaces: the plan's per-key check stays),
-Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails).
+Triton launches per step (CPU), graph replays per timed step (1.00 for every ``sNg``, or the run fails),
+and moves of the gradients' addresses to the device per timed step (`AdamRuns.set_grads` finding new
+addresses: 0.00 where the gradients land where they did the step before, as the caching allocator
+usually places them; each move also re-checks them against the state's buffers).
 
 On the CPU (the default) the update takes the path it takes on a GPU (`zfunc.optim.fused.on_host`
 patched), with every Triton launch replaced by a stub that only counts it (and a graph's replay by one that
@@ -21,6 +25,13 @@ a GPU must hide under the kernels. The time
 is this thread's CPU time (other processes taking the cores do not count), the least over
 ``--steps`` steps. Triton's own launch cost (~10-20 us per launch on an H100/H200 host) comes on top,
 once per launch counted.
+
+``--fixed-grads``: the model's forward and backward left out: the gradients (one per key, of its size and
+the compute dtype, as the stacks at one rank hand them to the update) are made once and handed to every
+step, so the phase is timed with no compute between steps (far less noise from other processes than the
+full step, and the gradients at the same addresses each step, as the caching allocator gives them on a
+GPU); with ``--evict``, a 64 MB buffer is written before each step, so that the state's tensors are cold in
+the caches when the phase reads them, as on a GPU host after backward.
 
 With ``--device cuda`` nothing is patched: the phase's host time (perf_counter, no sync inside the
 phase) and its GPU time (CUDA events), medians over the steps. ``--medium``: GPT-2 medium at its real
@@ -52,6 +63,7 @@ from host_time import BATCH, SEQ, VOCAB, make_model
 
 import zfunc as zf
 from zfunc import state as zf_state
+from zfunc.kernels import adam_segments
 from zfunc.optim import update_graph
 from zfunc.transforms import mixed_precision, shard
 
@@ -131,6 +143,17 @@ def _counted_replay(self) -> None:
 
 
 update_graph.UpdateGraph.replay = _counted_replay
+# Gradient addresses moved to the device (`AdamRuns.set_grads` given addresses other than the last ones).
+MOVES = [0]
+_set_grads = adam_segments.AdamRuns.set_grads
+
+
+def _counted_set_grads(self, ptrs) -> None:
+    MOVES[0] += ptrs != self._grad_ptrs
+    _set_grads(self, ptrs)
+
+
+adam_segments.AdamRuns.set_grads = _counted_set_grads
 
 
 class Phase:
@@ -164,16 +187,21 @@ class Phase:
             self.events.append((self._e, e))
 
 
-def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
+def build(name: str, device: torch.device, phase: Phase, medium: bool = False, fixed_grads: bool = False):
     model = (make_gpt2(types.SimpleNamespace(model="medium", seq=SEQ)) if medium else make_model(24)).to(device)
     if name == "floor":
         master = [p.detach().clone() for p in model.parameters()]
         model.to(torch.bfloat16)
         params = list(model.parameters())
         opt = torch.optim.AdamW(master, lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+        made = [p.detach().clone() for p in params] if fixed_grads else None  # (bf16, the parameters' shapes)
 
         def one(tokens):
-            lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens).backward()
+            if made is None:
+                lm_loss(model(input_ids=tokens, use_cache=False).logits, tokens).backward()
+            else:
+                for p, g in zip(params, made):
+                    p.grad = g
             phase.begin()
             floor_update(master, params, opt)
             phase.end()
@@ -184,7 +212,13 @@ def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
     def loss_fn(p, tokens):
         return lm_loss(apply_fn(p, input_ids=tokens, use_cache=False).logits, tokens)
 
+    made = {k: (1e-3 * torch.randn(v.numel(), generator=torch.Generator().manual_seed(i))).to(device, torch.bfloat16)
+            for i, (k, v) in enumerate(params.items())} if fixed_grads else None
+
     def train_step(state, tokens):
+        if made is not None:
+            phase.begin()
+            return state.apply_gradients(dict(made)), {}
         loss, grads = zf.value_and_grad(loss_fn)(state.params, tokens)
         phase.begin()
         return state.apply_gradients(grads), {"loss": loss}
@@ -201,20 +235,27 @@ def build(name: str, device: torch.device, phase: Phase, medium: bool = False):
 
 
 def measure(name: str, device: torch.device, steps: int, launches: Launches, profile: bool = False,
-            medium: bool = False) -> dict:
+            medium: bool = False, fixed_grads: bool = False, evict: bool = False) -> dict:
     phase = Phase(device)
-    one = build(name, device, phase, medium)
+    one = build(name, device, phase, medium, fixed_grads)
+    if evict:  # (written before each step: the caches hold it, not the state, when the phase begins)
+        buffer, step = torch.ones(16 * 2**20), one
+
+        def one(tokens):
+            buffer.add_(1.0)
+            step(tokens)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0)).to(device)
     for _ in range(3):
         one(tokens)
     phase.host.clear()
     phase.events.clear()
-    before, replayed = launches.count, REPLAYS[0]
+    before, replayed, moved = launches.count, REPLAYS[0], MOVES[0]
     FUSED_HOST.clear()
     pr = phase.profiler = cProfile.Profile() if profile else None
     for _ in range(steps):
         one(tokens)
     out = {"launches": (launches.count - before) / steps, "replays": (REPLAYS[0] - replayed) / steps,
+           "moves": (MOVES[0] - moved) / steps,
            "fused_ms": 1e3 * statistics.median(FUSED_HOST) if FUSED_HOST else None}
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -236,6 +277,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--profile", default=None, help="a stack to cProfile over the timed steps")
     p.add_argument("--medium", action="store_true", help="GPT-2 medium at its real widths (355M parameters)")
+    p.add_argument("--fixed-grads", action="store_true",
+                   help="no forward/backward: the same gradients handed to every step (module docstring)")
+    p.add_argument("--evict", action="store_true", help="with --fixed-grads: flush the caches before each step")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     launches = Launches()
@@ -244,21 +288,25 @@ def main(argv=None) -> None:
         stub_device_path(launches)
     names = args.stacks.split(",")
     if args.profile:
-        print(measure(args.profile, device, args.steps, launches, profile=True, medium=args.medium)["profile"])
+        print(measure(args.profile, device, args.steps, launches, profile=True, medium=args.medium,
+                      fixed_grads=args.fixed_grads, evict=args.evict)["profile"])
         return
     where = "CPU, GPU path with stubbed launches" if device.type == "cpu" else torch.cuda.get_device_name(device)
     model = "GPT-2 medium (355M)" if args.medium else "GPT-2 medium's shape at width 64"
     print(f"# update phase, {model}, {where}, torch {torch.__version__}, least (CPU) / median (GPU) of "
           f"{args.steps} steps")
-    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays |\n"
-          "|---|---|---|---|---|---|")
+    print("| stack | host ms | GPU ms | fused_update host ms | Triton launches | graph replays | address moves |\n"
+          "|---|---|---|---|---|---|---|")
     failed = []
     for name in names:
-        r = measure(name, device, args.steps, launches, medium=args.medium)
+        r = measure(name, device, args.steps, launches, medium=args.medium, fixed_grads=args.fixed_grads,
+                    evict=args.evict)
         gpu = f"{r['gpu_ms']:.2f}" if "gpu_ms" in r else "-"
         count = f"{r['launches']:.0f}" if device.type == "cpu" and name != "floor" else "-"
         fused_ms = "-" if r["fused_ms"] is None else f"{r['fused_ms']:.3f}"
-        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} |", flush=True)
+        moves = "-" if name == "floor" else f"{r['moves']:.2f}"
+        print(f"| {name} | {r['host_ms']:.2f} | {gpu} | {fused_ms} | {count} | {r['replays']:.2f} | {moves} |",
+              flush=True)
         if name.endswith("g") and r["replays"] != 1:  # (the graph route must have replayed at every timed step)
             failed.append(f"{name}: the update was replayed at {r['replays']:.2f} of the timed steps, not at every one")
     if failed:

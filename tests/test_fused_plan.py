@@ -363,3 +363,97 @@ def test_stage_1_shard_views_found_once_per_state_and_let_go_with_it():
     import gc
     gc.collect()
     assert views._entry is None  # the dropped state's buffers are not held by its views
+
+
+def test_state_identities_are_trusted_only_while_every_held_tensor_lives():
+    """`fused_plan._Held` finds the usual step's state by ids (from C); an id names one object only while it
+    lives, so once a held tensor died, equal ids prove nothing: the tensors are compared one by one, and a
+    new tensor that took a dead one's id, at its address but of another dtype, is refused."""
+    flat = torch.zeros(12)
+    a, b = flat[:6], flat[6:]
+    held = fused_plan._Held([a, b])
+    assert held.same([a, b]) and held.same_objects.alive[0]
+    assert not held.same([a, flat[6:]])  # (a new view at b's address: not the same object)
+    as_int = flat.view(torch.int32)
+    dead_id, dead_ptr = id(b), b.data_ptr()
+    del b  # (freed here: no other reference)
+    assert not held.same_objects.alive[0]
+    # A tensor at b's address with another dtype, made until one takes b's id (CPython reuses the freed slot).
+    made = []
+    for _ in range(1000):
+        c = as_int[6:]
+        if id(c) == dead_id:
+            break
+        made.append(c)
+    else:
+        pytest.skip("no new tensor took the dead one's id here")
+    assert c.data_ptr() == dead_ptr and c.numel() == 6
+    assert not held.same([a, c])  # equal ids and addresses, but one of them died: not trusted
+    assert not held.still_at([a, c], -1)  # and compared one by one: another dtype, refused
+
+
+def test_held_state_rearms_on_equivalent_tensors():
+    """New views of the very buffers (same addresses, dtypes and sizes) pass the one-by-one comparison and are
+    held from then on, so the step after finds them from C again; the dtypes and sizes stay the plan's."""
+    flat = torch.zeros(12)
+    held = fused_plan._Held([flat[:6], flat[6:]])
+    fresh = [flat[:6], flat[6:]]
+    assert not held.same(fresh) and held.still_at(fresh, -1)
+    held.rearm(fresh)
+    assert held.same(fresh) and held.numels == [6, 6] and held.dtypes == [torch.float32] * 2
+    assert not held.still_at([flat[:6], flat[6:9]], -1)  # (another size at the same address)
+
+
+@quiet
+def test_plan_takes_new_views_of_its_buffers_and_refuses_other_tensors_at_their_addresses(device_path):
+    """Through `fused_update`: the same state's tensors as new views are kept (one plan, re-armed, found from
+    C at the next step); a tensor of another dtype at a held address gets a new plan."""
+    tx = optimizer("adamw", False)
+    spec = tx.fused
+    params, opt_state, keep = make_state(tx)
+    grads = views({}, dtype=torch.bfloat16, seed=10)
+    params, opt_state, _ = fused.fused_update(spec, params, grads, opt_state)
+    plan = spec.tables[fused._PLAN]
+    fresh = {k: t.view(t.shape) for k, t in params.items()}
+    params, opt_state, _ = fused.fused_update(spec, fresh, grads, opt_state)
+    assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1
+    assert plan._held.same(fused_plan._in_order((fresh, spec.adam_state(opt_state).mu,
+                                                 spec.adam_state(opt_state).nu), plan.keys))
+    as_int = {**fresh, "u1.b": fresh["u1.b"].view(torch.int32)}  # (the same bytes, another dtype)
+    assert plan.grad_addresses(as_int, grads, spec.adam_state(opt_state).mu, spec.adam_state(opt_state).nu,
+                               None) is None
+
+
+def test_gradient_alignment_found_once_per_new_addresses():
+    """`AdamRuns.grads_aligned` (the kernel's GRADS_ALIGNED) follows the addresses set last."""
+    table = adam_segments.AdamRuns.build([(0, 0, 0, 0), (16, 16, 16, 0)], [[(0, 4, 0.0)], [(0, 4, 0.0)]], [4, 4],
+                                         "cpu")
+    table.set_grads([32, 64])
+    assert table.grads_aligned
+    table.set_grads([32, 66])
+    assert not table.grads_aligned and table.grads.tolist() == [32, 66]
+    table.set_grads([48, 80])
+    assert table.grads_aligned
+
+
+@quiet
+def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, monkeypatch):
+    """A stack that hands new views of the same buffers at every step is compared one by one at each (as it
+    must be) and still updated through the one plan; the plan holds them again only at the 1st, 2nd, 4th, ...
+    such step in a row (no weak reference made per tensor per step); the very tensors again: found from C."""
+    tx = optimizer("adamw", False)
+    spec = tx.fused
+    params, opt_state, keep = make_state(tx)
+    grads = views({}, dtype=torch.bfloat16, seed=10)
+    params, opt_state, _ = fused.fused_update(spec, params, grads, opt_state)
+    plan = spec.tables[fused._PLAN]
+    rearms = []
+    rearm = fused_plan._Held.rearm
+    monkeypatch.setattr(fused_plan._Held, "rearm", lambda self, t: (rearms.append(1), rearm(self, t)))
+    for _ in range(8):
+        params, opt_state, _ = fused.fused_update(spec, {k: t.view(t.shape) for k, t in params.items()}, grads,
+                                                  opt_state)
+    assert len(rearms) == 4 and plan._held.misses == 8  # (at the 1st, 2nd, 4th and 8th)
+    assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1 and device_path["runs"] == 9
+    fused.fused_update(spec, params, grads, opt_state)  # (the tensors held at the 8th)
+    assert plan._held.misses == 0 and len(rearms) == 4

@@ -77,6 +77,13 @@ class Stack:
     def __contains__(self, transform: Transform) -> bool:
         return id(transform) in self._ids
 
+    @functools.cached_property
+    def described(self) -> str:
+        """``repr`` of the outermost transform (its settings are its configuration, fixed as its facts are):
+        what names it as the consumer of the states it steps (`zfunc.donation.consume`), formatted once, not
+        at every step."""
+        return repr(self.transforms[0])
+
 
 # --------------------------------------------------------------------------
 # The protocol every transform follows.
@@ -153,7 +160,7 @@ class Transform:
                     consume(state, f"{self!r}, which failed after it began updating it in place")
                 raise
             if not (isinstance(out, tuple) and out and out[0] is state):
-                consume(state, f"{self!r}")
+                consume(state, ctx.stack.described)
             if isinstance(out, tuple) and out:
                 stamp_copies(out[0], self)
                 if ctx.findings:  # raised at the next use of the state returned (`check_alive`)

@@ -250,7 +250,7 @@ def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
     elif expected.keys() == got.keys():
         # The usual case: every shape alike. Read in C where it can (this runs for every parameter at every step);
         # in one pass otherwise.
-        theirs = list(map(got.__getitem__, expected))
+        theirs = list(got.values() if tuple(got) == tuple(expected) else map(got.__getitem__, expected))
         if read_in_c(expected.values()) and read_in_c(theirs):
             if list(map(shape_of, expected.values())) == list(map(shape_of, theirs)):
                 return ""
@@ -287,6 +287,29 @@ def still_the_same(refs: list[weakref.ref], tensors: Iterable[torch.Tensor]) -> 
 
 
 _dereference = weakref.ref.__call__
+
+
+class SameObjects:
+    """Whether a sequence of objects is, one by one, the very objects it was made from, without keeping them
+    alive and without reading them: their ids, compared from C (a step's check of every tensor of a state,
+    whose cost on a GPU host is the memory each read touches). An id names one object only while it lives, so
+    the ids are trusted only while every one of the objects does: a weak reference's callback, run as one
+    dies (before its id can be reused), turns ``alive`` off for good."""
+
+    __slots__ = ("alive", "ids", "refs")
+
+    def __init__(self, objects: Iterable) -> None:
+        objects = list(objects)
+        self.alive = alive = [True]
+
+        def died(_ref, alive=alive) -> None:  # (holds the flag only: the holder is not kept alive by its refs)
+            alive[0] = False
+
+        self.refs = [weakref.ref(o, died) for o in objects]
+        self.ids = tuple(map(id, objects))
+
+    def __call__(self, objects: Iterable) -> bool:
+        return self.alive[0] and tuple(map(id, objects)) == self.ids
 
 
 # -- reads of every tensor of a list, at C speed ----------------------------------------------------------

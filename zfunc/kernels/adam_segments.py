@@ -10,6 +10,7 @@ boundaries, out as device tensors.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 from typing import Sequence
@@ -221,8 +222,8 @@ class AdamRuns:
         out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
     """
 
-    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "lengths", "numel", "out_dtype",
-                 "weight_decays")
+    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "grads_aligned", "lengths", "numel",
+                 "out_dtype", "weight_decays")
 
     def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
         self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
@@ -230,6 +231,7 @@ class AdamRuns:
         self.numel = sum(lengths)
         self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
         self._grad_ptrs: list[int] | None = None
+        self.grads_aligned = False  # whether every address set last is 16-byte aligned (`set_grads`)
 
     @property
     def device(self) -> torch.device:
@@ -296,6 +298,8 @@ class AdamRuns:
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
         self.grads.copy_(host, non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
+        # (Here, once per new addresses, not per launch; from C: no remainder of 16 among them.)
+        self.grads_aligned = not any(map(operator.mod, ptrs, itertools.repeat(16)))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

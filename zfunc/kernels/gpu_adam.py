@@ -298,7 +298,7 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
             float(beta1), float(beta2), float(eps),
             ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
             GRAD_KIND=_GRAD_KINDS[grad_dtype], OUT_KIND=_OUT_KINDS[runs.out_dtype],
-            GRADS_ALIGNED=all(p % 16 == 0 for p in grad_ptrs), INTERPRET=interp, PTX=ptx(interp), BLOCK=block,
+            GRADS_ALIGNED=runs.grads_aligned, INTERPRET=interp, PTX=ptx(interp), BLOCK=block,
             ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=int(TRITON_CONFIG["adam_warps"]))
 
 

@@ -208,7 +208,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         plan, grad_ptrs = planned
         new_state = graphed_update(spec, plan, grad_ptrs, opt_state, skip, norm)
         if new_state is not None:
-            copy = None if plan.out_dtype is None else {k: compute_into[k] for k in params}
+            copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
             return params, new_state, copy
     lr = spec.schedule(spec.lr_state(opt_state).count)
     step = adam.count + 1
@@ -217,7 +217,7 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
         plan, grad_ptrs = planned
         plan.launch(spec, grad_ptrs, lr, step, divisor, skip)
-        copy = None if plan.out_dtype is None else {k: compute_into[k] for k in params}
+        copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
         return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
@@ -310,6 +310,12 @@ def _build_plan(spec, params, grads, mu, nu, compute_dtype, into) -> DevicePlan 
     operands = [params, grads, mu, nu] + ([into] if into is not None else [])
     return DevicePlan.build(find_runs(keys, operands, None), spec.weight_decays(params), params, grads, mu, nu,
                             into, compute_dtype)
+
+
+def _keyed_like(d: dict, like: dict) -> dict:
+    """``{k: d[k] for k in like}`` (a copy of ``d`` as it is where it is keyed in ``like``'s order already, as
+    the compute copy a stack asks for is: no lookup per key)."""
+    return {**d} if len(d) == len(like) and tuple(d) == tuple(like) else dict(zip(like, map(d.__getitem__, like)))
 
 
 def on_host(t: torch.Tensor) -> bool:

@@ -29,38 +29,54 @@ import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
 from zfunc.tree import (
+    SameObjects,
     data_ptr_of,
     device_index_of,
     dtype_of,
     is_contiguous_of,
     numel_of,
     read_in_c,
-    still_the_same,
-    weak_refs,
 )
 
 
 class _Held:
-    """What a plan expects of one state operand (params, moments, compute copy), key by key: the tensor it was
-    built from (weakly), its address, dtype and size."""
+    """What a plan expects of the state (params, moments, compute copy: every operand's tensors, key by key, in
+    one list): the tensors it was built from (weakly), their addresses, dtypes and sizes.
 
-    __slots__ = ("dtypes", "numels", "ptrs", "refs")
+    The usual step is given the very tensors, where they were: found from C in two passes over the list,
+    by identity (`zfunc.tree.SameObjects`: ids, trusted while every held tensor lives) and address.
+    Otherwise the tensors are compared one by one (`still_at`)."""
 
-    def __init__(self, d: dict, keys: tuple) -> None:
-        tensors = [d[k] for k in keys]
-        self.refs = weak_refs(tensors)
-        self.ptrs = [t.data_ptr() for t in tensors]
+    __slots__ = ("dtypes", "misses", "numels", "plain", "ptrs", "same_objects")
+
+    def __init__(self, tensors: list) -> None:
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
+        self.misses = 0  # steps in a row given other tensors than those held (`DevicePlan.grad_addresses`)
+        self.rearm(tensors)
 
-    def still_at(self, d: dict, keys: tuple, device_index: int) -> bool:
-        """Whether ``d`` holds, key by key, the tensor the plan was built from at its address, or one of its
-        dtype and size, contiguous, at that address on the plan's device (e.g. a new view of the same
-        buffer)."""
-        tensors = list(map(d.__getitem__, keys))
-        if still_the_same(self.refs, tensors) and (
-                list(map(data_ptr_of, tensors)) if read_in_c(tensors) else [t.data_ptr() for t in tensors]) == self.ptrs:
-            return True  # (the usual step: the very tensors, where they were)
+    def rearm(self, tensors: list) -> None:
+        """Hold ``tensors``: at build, and later ones `still_at` found where the held ones were (the same
+        addresses; the dtypes and sizes stay those the plan was built with), so that the steps after find
+        them from C."""
+        self.same_objects = SameObjects(tensors)
+        self.ptrs = tuple(t.data_ptr() for t in tensors)
+        self.plain = read_in_c(tensors)  # (the same objects later: their addresses read by ``map`` too)
+
+    @property
+    def refs(self) -> list:
+        return self.same_objects.refs
+
+    def same(self, tensors: list) -> bool:
+        """Whether ``tensors`` are the very tensors held, each at its address (the usual step, from C)."""
+        return self.same_objects(tensors) and (tuple(map(data_ptr_of, tensors)) if self.plain
+                                               else tuple(t.data_ptr() for t in tensors)) == self.ptrs
+
+    def still_at(self, tensors: list, device_index: int) -> bool:
+        """Whether ``tensors`` are, one by one, the tensor held at its address, or one of its dtype and size,
+        contiguous, at that address on the plan's device (e.g. a new view of the same buffer)."""
+        if len(tensors) != len(self.refs):
+            return False
         for t, ref, ptr, dtype, numel in zip(tensors, self.refs, self.ptrs, self.dtypes, self.numels):
             if ref() is t:
                 if numel and t.data_ptr() != ptr:
@@ -69,6 +85,14 @@ class _Held:
                                                    or t.get_device() != device_index or not t.is_contiguous())):
                 return False
         return True
+
+
+def _in_order(operands: tuple | list, keys: tuple) -> list:
+    """Every operand's tensors, key by key, operand after operand, in one list (raises KeyError where one
+    lacks a key). (A dict whose keys are ``keys`` in their order, as every operand of a step under `shard`
+    is, gives its values as they are: no lookup per key.)"""
+    return list(itertools.chain.from_iterable(
+        d.values() if len(d) == len(keys) and tuple(d) == keys else map(d.__getitem__, keys) for d in operands))
 
 
 def _getter(positions: list[int]):
@@ -92,13 +116,13 @@ class DevicePlan:
 
     def __init__(self, keys, device, out_dtype, grad_dtype, table, held, grad_runs, state_spans) -> None:
         self.keys, self.device, self.out_dtype, self.grad_dtype, self.table = keys, device, out_dtype, grad_dtype, table
-        self._held = held  # per state operand (params, mu, nu[, into])
+        self._held = held  # the state operands' tensors (params, mu, nu[, into]), key by key, in one list
         self._device_index = device.index if device.type == "cuda" else -1  # (Tensor.get_device's number)
         self._grad_runs = grad_runs  # per run: its first key and ((key, byte offset, numel), ...)
         # The same, flat over every run's members in order, for the check made from C (`_grads_at`): each
         # member's key, byte offset in its run, numel, and the position of its run's first member.
         members = [member for _, run in grad_runs for member in run]
-        self._member_keys = [k for k, _, _ in members]
+        self._member_keys = tuple(k for k, _, _ in members)
         self._member_offsets = [offset for _, offset, _ in members]
         self._member_numels = [n for _, _, n in members]
         heads, firsts = [], []
@@ -106,6 +130,13 @@ class DevicePlan:
             firsts.append(len(heads))
             heads += [firsts[-1]] * len(run)
         self._head_of_member, self._first_of_run = _getter(heads), _getter(firsts)
+        # Every run of one member (each gradient a tensor of its own, as autograd makes them at one rank): its
+        # address is its run's, nothing to compare within a run.
+        self._one_per_run = len(heads) == len(firsts)
+        # The runs' gradient addresses last found outside the state's buffers (`_grads_at`): the state's buffers
+        # are the plan's, so addresses found so once stay so (the caching allocator hands the gradients the same
+        # blocks step after step).
+        self._outside_at: tuple | None = None
         self._item = item = torch.empty((), dtype=grad_dtype).element_size()
         self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
         self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
@@ -146,7 +177,7 @@ class DevicePlan:
             return None  # state buffers sharing memory: adam_flat_ refuses them, the general path says so
         table = AdamRuns.build(bases, segments, lengths, device, out_dtype=out_dtype)
         keys = tuple(params)
-        held = [_Held(d, keys) for d in operands]
+        held = _Held(_in_order(operands, keys))
         return cls(keys, device, out_dtype, grad_dtype, table, held, grad_runs, spans)
 
     def grad_addresses(self, params: dict, grads: dict, mu: dict, nu: dict, into: dict | None) -> list[int] | None:
@@ -156,31 +187,50 @@ class DevicePlan:
         if len(params) != len(keys) or len(grads) != len(keys) or (into is None) != (self.out_dtype is None):
             return None
         try:
-            operands = (params, mu, nu) if into is None else (params, mu, nu, into)
-            if not all(held.still_at(d, keys, self._device_index) for d, held in zip(operands, self._held)):
+            tensors = _in_order((params, mu, nu) if into is None else (params, mu, nu, into), keys)
+        except KeyError:
+            return None
+        held = self._held
+        if not held.same(tensors):
+            if not held.still_at(tensors, self._device_index):
                 return None
+            # Held from now on, so that the steps after find them from C; but where every step hands new tensors
+            # (which is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th, ... such step
+            # in a row, not made into weak references at each.
+            held.misses += 1
+            if not held.misses & (held.misses - 1):
+                held.rearm(tensors)
+        else:
+            held.misses = 0
+        try:
             return self._grads_at(grads)
         except KeyError:
             return None
 
     def _grads_at(self, grads: dict) -> list[int] | None:
         dtype, device_index, item = self.grad_dtype, self._device_index, self._item
-        gs = list(map(grads.__getitem__, self._member_keys))
+        keys = self._member_keys
+        gs = list(grads.values() if len(grads) == len(keys) and tuple(grads) == keys else map(grads.__getitem__, keys))
         if read_in_c(gs):
             # The loop below, made from C (this runs at every step, over every parameter): each gradient at its
             # run's first address plus its offset, of its size and the plan's dtype, contiguous, on the device.
-            bases = tuple(map(operator.sub, map(data_ptr_of, gs), self._member_offsets))
-            if (bases != self._head_of_member(bases) or list(map(numel_of, gs)) != self._member_numels
+            if self._one_per_run:
+                starts = bases = tuple(map(data_ptr_of, gs))
+            else:
+                bases = tuple(map(operator.sub, map(data_ptr_of, gs), self._member_offsets))
+                starts = self._first_of_run(bases)
+            if ((not self._one_per_run and bases != self._head_of_member(bases))
+                    or list(map(numel_of, gs)) != self._member_numels
                     or set(map(dtype_of, gs)) != {dtype} or not all(map(is_contiguous_of, gs))
                     or set(map(device_index_of, gs)) != {device_index}):
                 return None
-            # `_outside_state` for every run at once
-            starts = self._first_of_run(bases)
-            ends = list(map(operator.add, starts, self._run_bytes))
-            at = list(map(bisect.bisect_right, itertools.repeat(self._starts), starts))
-            if (any(map(operator.gt, map(self._ends_after.__getitem__, at), starts))
-                    or any(map(operator.lt, map(self._starts_at.__getitem__, at), ends))):
-                return None
+            if starts != self._outside_at:  # `_outside_state` for every run at once
+                ends = list(map(operator.add, starts, self._run_bytes))
+                at = list(map(bisect.bisect_right, itertools.repeat(self._starts), starts))
+                if (any(map(operator.gt, map(self._ends_after.__getitem__, at), starts))
+                        or any(map(operator.lt, map(self._starts_at.__getitem__, at), ends))):
+                    return None
+                self._outside_at = starts
             return list(starts)
         ptrs = []
         for first, members in self._grad_runs:

@@ -75,6 +75,8 @@ refuses); the warm-up runs on the stream the capture uses, as torch documents.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import warnings
 from typing import Any
 
@@ -248,7 +250,8 @@ def _key(plan: DevicePlan, grad_ptrs, count, rate_count, rate, skip, norm) -> tu
         return None
     return (count.dtype, count.shape, rate_count.shape, rate.dtype, rate.shape,
             None if skip is None else skip.shape, None if norm is None else (norm.dtype, norm.shape),
-            all(p % 16 == 0 for p in grad_ptrs), int(TRITON_CONFIG["adam_block"]), int(TRITON_CONFIG["adam_warps"]))
+            not any(map(operator.mod, grad_ptrs, itertools.repeat(16))),  # (every address 16-byte aligned, from C)
+            int(TRITON_CONFIG["adam_block"]), int(TRITON_CONFIG["adam_warps"]))
 
 
 class _NotCapturable(Exception):

@@ -327,8 +327,9 @@ class shard(Transform):  # noqa: N801
             if comm.group.size == 1:
                 # One rank: its shard of a gradient is the whole gradient and the reduction the identity, so
                 # each is handed on as the 1-D shard it stands for (packing the units' gradients into flat
-                # buffers to reduce them would only copy every gradient, twice).
-                return value, {k: g.reshape(-1) for k, g in grads.items()}
+                # buffers to reduce them would only copy every gradient, twice). (By ``map``: a view per key made
+                # from C, and none of a gradient already 1-D.)
+                return value, dict_of(grads, map(torch.flatten, grads.values()))
             sharded = {}
             for unit in layout.units:
                 reduced = comm.reduce_scatter(unit.pack_full(grads), unit.name)

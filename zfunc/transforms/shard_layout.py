@@ -27,7 +27,7 @@ import torch
 
 from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
-from zfunc.tree import register_pytree_node, still_the_same, weak_refs
+from zfunc.tree import SameObjects, register_pytree_node
 
 ROOT = ""
 
@@ -275,21 +275,21 @@ class StateViews:
     views), and left out of copies and pickles (a copy of a state finds its own)."""
 
     def __init__(self) -> None:
-        self._entry: tuple[list[weakref.ref], dict, dict] | None = None
+        self._entry: tuple[SameObjects, dict, dict] | None = None
 
     def get(self, params: dict) -> tuple[dict, dict] | None:
         entry = self._entry  # (read once: another thread may put its own state's)
-        if entry is None or not still_the_same(entry[0], params.values()):
+        if entry is None or not entry[0](params.values()):
             return None
         return entry[1], entry[2]
 
     def put(self, params: dict, flats: dict, shards: dict) -> None:
-        refs = weak_refs(params.values())
-        self._entry = (refs, flats, shards)
-        weakref.finalize(next(iter(params.values())), self._drop, refs)
+        same = SameObjects(params.values())
+        self._entry = (same, flats, shards)
+        weakref.finalize(next(iter(params.values())), self._drop, same)
 
-    def _drop(self, refs: list) -> None:
-        if self._entry is not None and self._entry[0] is refs:
+    def _drop(self, same: SameObjects) -> None:
+        if self._entry is not None and self._entry[0] is same:
             self._entry = None
 
     def __deepcopy__(self, memo) -> "StateViews":
@@ -407,16 +407,14 @@ def make_layout(params: dict[str, torch.Tensor], stage: int, world_size: int, ra
 
 def is_param_shaped(node: Any, keys: set[str]) -> bool:
     """Whether ``node`` is a dict of tensors keyed exactly by ``keys``."""
-    # (The length first: a cheap refusal of the other dicts. Then one loop over the items, which dynamo
-    # interprets in a third of the instructions of a key-set comparison followed by all() over a generator.)
+    # (The length first: a cheap refusal of the other dicts. Then the keys as sets and the values' types by
+    # ``map``, both from C: this runs for every param-shaped dict of the state at every step, and dynamo runs
+    # them natively too, `zfunc.compiled`.)
     if not isinstance(node, dict) or len(node) != len(keys):
         return False
-    if tracing():  # (the same by a frozenset and ``map``, which dynamo runs natively: `zfunc.compiled`)
+    if tracing():  # (a frozenset: dynamo interprets the comparison of a dict view key by key)
         return frozenset(node) == keys and all_true(map(isinstance, node.values(), itertools.repeat(torch.Tensor)))
-    for k, v in node.items():
-        if k not in keys or not isinstance(v, torch.Tensor):
-            return False
-    return True
+    return node.keys() == keys and all(map(isinstance, node.values(), itertools.repeat(torch.Tensor)))
 
 
 def map_param_shaped(tree: Any, keys: set[str], fn: Callable[[dict], dict],
@@ -435,7 +433,15 @@ def map_param_shaped(tree: Any, keys: set[str], fn: Callable[[dict], dict],
 
 
 def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dict], dict]) -> Any:
-    """Walk two trees of the same shape; param-shaped pairs become ``fn(old, new)``, the rest ``new``."""
+    """Walk two trees of the same shape; param-shaped pairs become ``fn(old, new)``, the rest ``new``. A
+    subtree that is the very object in both is ``new`` as it is (nothing to pair: ``fn`` of a dict with
+    itself is that dict, as `zfunc.transforms.shard`'s write-back makes it; the fused update hands its
+    moments back so, and they are not walked key by key at every step). (Not while dynamo traces: its 2.11
+    cannot trace ``is`` between two dicts.)"""
+    if not isinstance(old, (dict, list, tuple)):  # (a leaf: a count, a scale, a layout)
+        return new
+    if not tracing() and old is new:
+        return new
     if is_param_shaped(old, keys) and isinstance(new, dict):
         return fn(old, new)
     if isinstance(old, dict) and isinstance(new, dict):
