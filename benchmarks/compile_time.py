@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -293,10 +294,11 @@ def run_one(args, name: str, cache: str, tag: str = "cold") -> dict:
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        # (The exception's own line: torch prints warnings after it, at exit.)
-        text = (done.stderr or done.stdout).strip().splitlines()
-        errors = [line for line in text if "Error" in line or "Exception" in line] or text
-        return {"error": errors[-1:] or ["no output"]}
+        # (The exception's own line: torch prints warnings after it, at exit; its "Warning" lines are not it.)
+        text = [line for line in (done.stderr or done.stdout).strip().splitlines()
+                if "Warning" not in line and "warn(" not in line]
+        raised = [line for line in text if re.search(r"\w*(Error|Exception|Unsupported): ", line)]
+        return {"error": (raised or text or ["no output"])[-1:], "exit": done.returncode, "stderr_tail": text[-30:]}
     # The 1-minute load average before and after the run: on a shared machine, a compile's time is only
     # comparable to another's made at the same load.
     return {**json.loads(lines[-1]), "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
@@ -328,6 +330,9 @@ def main() -> None:
     p.add_argument("--tag", default="cold", help=argparse.SUPPRESS)  # (internal: cold or warm, for --profile)
     p.add_argument("--one", help=argparse.SUPPRESS)  # (internal: measure one contender in this process)
     args = p.parse_args()
+    unknown = sorted(set(args.contenders.split(",")) - set(CONTENDERS))
+    if unknown:  # (a misspelt name would otherwise run as whatever its parts happen to select)
+        p.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
     if args.one:
         import torch._inductor.config as inductor_config
 
@@ -368,10 +373,12 @@ def main() -> None:
     print("\n| contender | cold compile s | vs floor cold | cold compile CPU s | vs floor | warm compile s | vs floor warm "
           "| step ms | load |")
     print("|---|---|---|---|---|---|---|---|---|")
+    failed = []
     for name, r in results.items():
         cold, warm = r["cold"], r["warm"]
         if "error" in cold or "error" in warm:
             print(f"| {name} | error: {cold.get('error') or warm.get('error')} | | | | | | | |")
+            failed.append(name)
             continue
 
         def ratio(kind, r=r, what="compile_s"):
@@ -381,6 +388,10 @@ def main() -> None:
         print(f"| {name} | {cold['compile_s']:.1f} | {ratio('cold')} | {cold['compile_cpu_s']:.1f} "
               f"| {ratio('cold', what='compile_cpu_s')} | {warm['compile_s']:.1f} | {ratio('warm')} "
               f"| {warm['step_ms']:.1f} | {cold['load'][0]}-{cold['load'][1]} |")
+    for name in failed:  # (what the failed run printed last: the JSON keeps it too)
+        r = results[name]
+        tail = (r["cold"] if "error" in r["cold"] else r["warm"]).get("stderr_tail", [])
+        print(f"\n{name} failed; the end of its output:\n" + "\n".join(tail), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device, "torch": torch.__version__, "results": results}, f,

@@ -510,7 +510,7 @@ class shard(Transform):  # noqa: N801
         if tracing():  # the update may run once per unit's flat buffers (`zfunc.optim.flat`)
             # Stages 1/2 at one rank: the shards were made in the trace as parts of each unit's buffer
             # (`_flats_and_shards`), which they do not record: the update is told it, to write into it whole.
-            parted = (self.stage != 3 and layout.world_size == 1 and bool(layout.units)
+            parted = (self.stage != 3 and layout.world_size == 1 and len(layout.units) > 0
                       and isinstance(flats[layout.units[0].name], torch.Tensor))
             runs, made, owners = [], [], []
             for unit in layout.units:
