@@ -404,16 +404,22 @@ def test_held_state_rearms_on_equivalent_tensors():
     assert not held.still_at([flat[:6], flat[6:9]], -1)  # (another size at the same address)
 
 
-@quiet
-def test_plan_takes_new_views_of_its_buffers_and_refuses_other_tensors_at_their_addresses(device_path):
-    """Through `fused_update`: the same state's tensors as new views are kept (one plan, re-armed, found from
-    C at the next step); a tensor of another dtype at a held address gets a new plan."""
+def _after_one_planned_update():
+    """AdamW's fused form, its state (``keep``: what must outlive the test), bf16 gradients, the state after one
+    update through the device plan, and that plan."""
     tx = optimizer("adamw", False)
     spec = tx.fused
     params, opt_state, keep = make_state(tx)
     grads = views({}, dtype=torch.bfloat16, seed=10)
     params, opt_state, _ = fused.fused_update(spec, params, grads, opt_state)
-    plan = spec.tables[fused._PLAN]
+    return spec, params, opt_state, keep, grads, spec.tables[fused._PLAN]
+
+
+@quiet
+def test_plan_takes_new_views_of_its_buffers_and_refuses_other_tensors_at_their_addresses(device_path):
+    """Through `fused_update`: the same state's tensors as new views are kept (one plan, re-armed, found from
+    C at the next step); a tensor of another dtype at a held address gets a new plan."""
+    spec, params, opt_state, keep, grads, plan = _after_one_planned_update()
     fresh = {k: t.view(t.shape) for k, t in params.items()}
     params, opt_state, _ = fused.fused_update(spec, fresh, grads, opt_state)
     assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1
@@ -441,12 +447,7 @@ def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, m
     """A stack that hands new views of the same buffers at every step is compared one by one at each (as it
     must be) and still updated through the one plan; the plan holds them again only at the 1st, 2nd, 4th, ...
     such step in a row (no weak reference made per tensor per step); the very tensors again: found from C."""
-    tx = optimizer("adamw", False)
-    spec = tx.fused
-    params, opt_state, keep = make_state(tx)
-    grads = views({}, dtype=torch.bfloat16, seed=10)
-    params, opt_state, _ = fused.fused_update(spec, params, grads, opt_state)
-    plan = spec.tables[fused._PLAN]
+    spec, params, opt_state, keep, grads, plan = _after_one_planned_update()
     rearms = []
     rearm = fused_plan._Held.rearm
     monkeypatch.setattr(fused_plan._Held, "rearm", lambda self, t: (rearms.append(1), rearm(self, t)))
