@@ -236,7 +236,8 @@ class shard(Transform):  # noqa: N801
         for unit in layout.units:
             flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
             if flat is None:
-                raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced?); "
+                raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced, or moved "
+                                   "between keys?); "
                                    "use the state that step.init or the step returned (to copy one, copy.deepcopy(state) keeps "
                                    "the flat buffers; a per-tensor clone does not)")
             flats[unit.name] = flat

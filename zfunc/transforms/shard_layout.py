@@ -27,7 +27,7 @@ import torch
 
 from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
-from zfunc.tree import SameObjects, register_pytree_node
+from zfunc.tree import SameObjects, register_pytree_node, shape_of
 
 ROOT = ""
 
@@ -261,8 +261,15 @@ class UnitLayout:
         if storage.nbytes() != size * first.element_size():
             return None
         base = storage.data_ptr()
-        flat = first.new_empty(0).set_(storage, 0, (size,))
-        return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
+        if not all(v.untyped_storage().data_ptr() == base for v in views.values()):
+            return None
+        # Each key's view where the layout puts it: tensors moved between keys (two parameters of one shape
+        # swapped in state.params) share the storage too, and would be updated as each other.
+        ours = list(map(views.__getitem__, self.keys))
+        if (list(map(torch.Tensor.storage_offset, ours)) != list(self.offsets)
+                or list(map(shape_of, ours)) != list(self.shapes)):
+            return None
+        return first.new_empty(0).set_(storage, 0, (size,))
 
 
 class StateViews:
