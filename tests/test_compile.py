@@ -152,7 +152,7 @@ def _swapped_params_run(stage: int, compiled: bool) -> str:
 def test_a_state_with_params_moved_between_keys_is_refused_eagerly(dist, stage):
     """Stages 1/2 keep the full parameters as views of one buffer per unit, in the layout's order: two of one
     shape swapped under their keys share that storage, and were updated as each other (silently; stage 3's eager
-    step follows the keys). `ShardUnit.flat_of` now checks each view's place, once per state."""
+    step follows the keys). `ShardUnit.full_flat_of` now checks each view's place, once per state."""
     assert "not in shard's flat layout" in dist(_swapped_params_run, 1, stage, False, timeout=300)[0]
 
 

@@ -234,7 +234,7 @@ class shard(Transform):  # noqa: N801
             return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
         flats = {}
         for unit in layout.units:
-            flat = unit.flat_of({k: params[k] for k in unit.keys}, unit.padded)
+            flat = unit.full_flat_of({k: params[k] for k in unit.keys})
             if flat is None:
                 raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced, or moved "
                                    "between keys?); "

@@ -261,15 +261,21 @@ class UnitLayout:
         if storage.nbytes() != size * first.element_size():
             return None
         base = storage.data_ptr()
-        if not all(v.untyped_storage().data_ptr() == base for v in views.values()):
+        flat = first.new_empty(0).set_(storage, 0, (size,))
+        return flat if all(v.untyped_storage().data_ptr() == base for v in views.values()) else None
+
+    def full_flat_of(self, views: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """`flat_of` for the unit's full parameters (stages 1/2), each also where the layout puts it: tensors
+        moved between keys (two parameters of one shape swapped in state.params) share the storage too, and
+        would be updated as each other."""
+        flat = self.flat_of(views, self.padded)
+        if flat is None:
             return None
-        # Each key's view where the layout puts it: tensors moved between keys (two parameters of one shape
-        # swapped in state.params) share the storage too, and would be updated as each other.
         ours = list(map(views.__getitem__, self.keys))
         if (list(map(torch.Tensor.storage_offset, ours)) != list(self.offsets)
                 or list(map(shape_of, ours)) != list(self.shapes)):
             return None
-        return first.new_empty(0).set_(storage, 0, (size,))
+        return flat
 
 
 class StateViews:
