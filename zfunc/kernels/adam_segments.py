@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamRuns", "AdamSegments", "auto_chunk", "chunk_spans",
-           "sm_count"]
+__all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamRuns", "AdamSegments", "all_16_byte_aligned",
+           "auto_chunk", "chunk_spans", "sm_count"]
 
 # Elements per row of the chunk table: one Triton program updates at most this many elements.
 # Big enough that the per-program scalar work (two powf, a few divisions) is noise. On a GPU,
@@ -298,8 +298,13 @@ class AdamRuns:
         host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
         self.grads.copy_(host, non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
-        # (Here, once per new addresses, not per launch; from C: no remainder of 16 among them.)
-        self.grads_aligned = not any(map(operator.mod, ptrs, itertools.repeat(16)))
+        self.grads_aligned = all_16_byte_aligned(ptrs)  # (here, once per new addresses, not per launch)
+
+
+def all_16_byte_aligned(ptrs) -> bool:
+    """Whether every address is a multiple of 16 bytes (the kernel's ``GRADS_ALIGNED``: vector loads of the
+    gradients), found from C: no remainder among them."""
+    return not any(map(operator.mod, ptrs, itertools.repeat(16)))
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

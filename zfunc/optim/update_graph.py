@@ -75,13 +75,12 @@ refuses); the warm-up runs on the stream the capture uses, as torch documents.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 import warnings
 from typing import Any
 
 import torch
 
+from zfunc.kernels.adam_segments import all_16_byte_aligned
 from zfunc.kernels.gpu_adam import TRITON_CONFIG
 from zfunc.optim.base import GradientTransformation
 from zfunc.optim.fused_plan import DevicePlan
@@ -250,7 +249,7 @@ def _key(plan: DevicePlan, grad_ptrs, count, rate_count, rate, skip, norm) -> tu
         return None
     return (count.dtype, count.shape, rate_count.shape, rate.dtype, rate.shape,
             None if skip is None else skip.shape, None if norm is None else (norm.dtype, norm.shape),
-            not any(map(operator.mod, grad_ptrs, itertools.repeat(16))),  # (every address 16-byte aligned, from C)
+            all_16_byte_aligned(grad_ptrs),
             int(TRITON_CONFIG["adam_block"]), int(TRITON_CONFIG["adam_warps"]))
 
 
