@@ -250,7 +250,7 @@ def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
     elif expected.keys() == got.keys():
         # The usual case: every shape alike. Read in C where it can (this runs for every parameter at every step);
         # in one pass otherwise.
-        theirs = list(got.values() if tuple(got) == tuple(expected) else map(got.__getitem__, expected))
+        theirs = list(values_in_order(got, expected))
         if read_in_c(expected.values()) and read_in_c(theirs):
             if list(map(shape_of, expected.values())) == list(map(shape_of, theirs)):
                 return ""
@@ -310,6 +310,13 @@ class SameObjects:
 
     def __call__(self, objects: Iterable) -> bool:
         return self.alive[0] and tuple(map(id, objects)) == self.ids
+
+
+def values_in_order(d: dict, keys) -> Iterable:
+    """``d[k] for k in keys``: ``d``'s values as they are where ``d`` is keyed by ``keys`` in their order already
+    (as a step's param-shaped dicts are: no lookup per key), else looked up by ``map`` (raises KeyError where a
+    key is missing)."""
+    return d.values() if len(d) == len(keys) and tuple(d) == tuple(keys) else map(d.__getitem__, keys)
 
 
 # -- reads of every tensor of a list, at C speed ----------------------------------------------------------

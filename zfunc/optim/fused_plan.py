@@ -36,6 +36,7 @@ from zfunc.tree import (
     is_contiguous_of,
     numel_of,
     read_in_c,
+    values_in_order,
 )
 
 
@@ -91,8 +92,7 @@ def _in_order(operands: tuple | list, keys: tuple) -> list:
     """Every operand's tensors, key by key, operand after operand, in one list (raises KeyError where one
     lacks a key). (A dict whose keys are ``keys`` in their order, as every operand of a step under `shard`
     is, gives its values as they are: no lookup per key.)"""
-    return list(itertools.chain.from_iterable(
-        d.values() if len(d) == len(keys) and tuple(d) == keys else map(d.__getitem__, keys) for d in operands))
+    return list(itertools.chain.from_iterable(values_in_order(d, keys) for d in operands))
 
 
 def _getter(positions: list[int]):
@@ -210,7 +210,7 @@ class DevicePlan:
     def _grads_at(self, grads: dict) -> list[int] | None:
         dtype, device_index, item = self.grad_dtype, self._device_index, self._item
         keys = self._member_keys
-        gs = list(grads.values() if len(grads) == len(keys) and tuple(grads) == keys else map(grads.__getitem__, keys))
+        gs = list(values_in_order(grads, keys))
         if read_in_c(gs):
             # The loop below, made from C (this runs at every step, over every parameter): each gradient at its
             # run's first address plus its offset, of its size and the plan's dtype, contiguous, on the device.
