@@ -237,9 +237,8 @@ class shard(Transform):  # noqa: N801
             flat = unit.full_flat_of({k: params[k] for k in unit.keys})
             if flat is None:
                 raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced, or moved "
-                                   "between keys?); "
-                                   "use the state that step.init or the step returned (to copy one, copy.deepcopy(state) keeps "
-                                   "the flat buffers; a per-tensor clone does not)")
+                                   "between keys?); use the state that step.init or the step returned (to copy one, "
+                                   "copy.deepcopy(state) keeps the flat buffers; a per-tensor clone does not)")
             flats[unit.name] = flat
         return flats
 

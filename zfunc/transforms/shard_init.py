@@ -235,11 +235,9 @@ def _partition_unit(stage: int, state, layout: ShardLayout, unit, placement: Pla
         # (The owner also keeps a pinned buffer's registration as long as its views live.)
         new_params = owned_views(unit, placement.params_tensor(unit.rank_region(unit.pack_full(params),
                                                                                  layout.rank)), layout.rank)
-    else:  # full parameters, stored as views of one flat buffer per unit, each recording it (`owned_views`)
+    else:  # full parameters, stored as views of one flat buffer per unit, each recording it
         flat = unit.pack_full(params).to(placement.device)
-        new_params = unit.full_views(flat)
-        for view in new_params.values():
-            setattr(view, OWNER, flat)
+        new_params = _recording_owner(unit.full_views(flat), flat)
     return state.replace(params=new_params, opt_state=opt_state, extras=extras)
 
 
@@ -260,9 +258,13 @@ def _finish(transform: Any, merged, state, layout: ShardLayout, group: dist.Grou
 def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Tensor]:
     """Per-key views of ``unit``'s flat shard on ``rank``, each recording the buffer it views (``_zfunc_owner``,
     `zfunc.optim.flat`: a compiled step updates and writes back the unit through it, in one piece)."""
-    views = unit.shard_views(flat_shard, rank)
+    return _recording_owner(unit.shard_views(flat_shard, rank), flat_shard)
+
+
+def _recording_owner(views: dict[str, torch.Tensor], flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``views`` (of ``flat``), each recording ``flat`` as the buffer it views (``_zfunc_owner``)."""
     for view in views.values():
-        setattr(view, OWNER, flat_shard)
+        setattr(view, OWNER, flat)
     return views
 
 
