@@ -286,21 +286,33 @@ class PhaseClock:
     clock. GPU time between two events is how long the device took for the
     phase; host time is how long Python took to issue it. A phase whose GPU
     time is barely above its host time is launch-bound: the device waited for
-    Python, and only less host work per step makes it faster.
+    Python, and only less host work per step makes it faster. With
+    ``--host-probe``, the same steps run once more ``drained`` (below), which
+    tells a phase's host work from its launches' waits for a full queue.
     """
 
     NAMES = ("forward", "backward", "optimizer+gather")
 
     def __init__(self) -> None:
-        self.marks: list[tuple[torch.cuda.Event, float]] = []
+        self.marks: list[tuple[torch.cuda.Event | None, float, float]] = []  # (event, phase ended, next began)
         self.gpu_ms: list[list[float]] = []
         self.host_ms: list[list[float]] = []
+        # ``drained``: each phase begins with the device's queue empty (a synchronization at each mark, outside
+        # the host clock), so its host time is the work of issuing it alone. Pipelined (the timed steps), a
+        # launch may wait: the device's launch queue is bounded (about a thousand launches), and where the
+        # phases before ran tens of ms ahead of their kernels it is full as the next phase begins, so each of
+        # that phase's launches waits for an earlier kernel to finish: the device is the bound, not host work.
+        self.drained = False
+        self.host_drained_ms: list[list[float]] = []
 
     def mark(self) -> None:
+        ended = time.perf_counter()
+        if self.drained and torch.cuda.is_available():
+            torch.cuda.synchronize()  # (after the phase's host clock stopped: the wait is no phase's)
         event = torch.cuda.Event(enable_timing=True) if torch.cuda.is_available() else None
         if event is not None:
             event.record()
-        self.marks.append((event, time.perf_counter()))
+        self.marks.append((event, ended, time.perf_counter()))
 
     def start(self) -> None:
         self.marks = []
@@ -310,8 +322,12 @@ class PhaseClock:
         """After the step synchronized: keep its phases (a step with other marks is dropped)."""
         if len(self.marks) == 1 + len(self.NAMES):
             pairs = list(zip(self.marks, self.marks[1:]))
-            self.gpu_ms.append([a.elapsed_time(b) if a is not None else 0.0 for (a, _), (b, _) in pairs])
-            self.host_ms.append([1e3 * (tb - ta) for (_, ta), (_, tb) in pairs])
+            host = [1e3 * (ended - began) for (_, _, began), (_, ended, _) in pairs]
+            if self.drained:
+                self.host_drained_ms.append(host)
+            else:
+                self.gpu_ms.append([a.elapsed_time(b) if a is not None else 0.0 for (a, _, _), (b, _, _) in pairs])
+                self.host_ms.append(host)
         self.marks = []
 
     def summary(self, skip: int) -> dict:
@@ -320,7 +336,9 @@ class PhaseClock:
             return {}
         median = lambda rows, j: statistics.median(r[j] for r in rows)  # noqa: E731
         return {"phases_ms": {n: median(gpu, j) for j, n in enumerate(self.NAMES)},
-                "host_ms": {n: median(host, j) for j, n in enumerate(self.NAMES)}}
+                "host_ms": {n: median(host, j) for j, n in enumerate(self.NAMES)},
+                **({"host_drained_ms": {n: median(self.host_drained_ms, j) for j, n in enumerate(self.NAMES)}}
+                   if self.host_drained_ms else {})}
 
 
 class HostProbe:
@@ -418,7 +436,7 @@ def time_steps(args, one, clock: PhaseClock | None = None):
         sync()
         times.append(time.perf_counter() - start)
         if probe is not None and i >= args.warmup and clock is not None and len(clock.marks) > 1:
-            probe.step_ended(clock.marks[0][1], clock.marks[1][1])  # (the forward: step start to loss)
+            probe.step_ended(clock.marks[0][2], clock.marks[1][1])  # (the forward: step start to loss)
         if clock is not None:
             clock.finish()
         if i == args.warmup - 1:
@@ -443,6 +461,17 @@ def time_steps(args, one, clock: PhaseClock | None = None):
     back_to_back = (time.perf_counter() - start) / args.steps
     if clock is not None:
         clock.marks = []
+        if args.host_probe:  # the same steps again, each phase begun on an empty queue (PhaseClock.drained)
+            clock.drained = True
+            for i in range(args.warmup + 2 * args.steps, args.warmup + 3 * args.steps):
+                sync()
+                clock.start()
+                loss = one(i)
+                if len(clock.marks) == len(clock.NAMES):
+                    clock.mark()
+                sync()
+                clock.finish()
+            clock.drained = False
     gc.unfreeze()
     timed = times[args.warmup:]
     loss = loss.float()
@@ -526,7 +555,9 @@ def main():
     p.add_argument("--cprofile", action="store_true", help="cProfile over 3 extra steps: where the host time goes")
     p.add_argument("--host-probe", action="store_true",
                    help="per contender: each block's host time in forward, allocator and gc events over the "
-                        "timed steps, and this process's Python and dispatcher speed (see HostProbe)")
+                        "timed steps, and this process's Python and dispatcher speed (see HostProbe); then the "
+                        "steps again with each phase begun on an empty queue: its host work alone "
+                        "(PhaseClock.drained)")
     p.add_argument("--compile", action="store_true",
                    help="add the compiled contenders: " + ",".join(COMPILED) + " (see the module docstring)")
     p.add_argument("--smoke", action="store_true", help="tiny model, 2 steps: check the script end to end")
@@ -592,7 +623,9 @@ def main():
                 + (f"  (+{r['allocated_before_gib']:.1f} GiB held before)" if r["allocated_before_gib"] > 0.05 else "")
                 + (f"  planned {r['planned_gpu_gib']:.1f} GiB" if "planned_gpu_gib" in r else "")
                 + (f"  fwd {ph['forward']:.1f}/{hs['forward']:.1f} bwd {ph['backward']:.1f}/{hs['backward']:.1f} "
-                   f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else ""))
+                   f"opt {ph['optimizer+gather']:.1f}/{hs['optimizer+gather']:.1f} (GPU/host ms)" if ph else "")
+                + ("  host on an empty queue: " + "/".join(f"{v:.1f}" for v in r["host_drained_ms"].values())
+                   if "host_drained_ms" in r else ""))
             if "host_probe" in r:
                 hp = r["host_probe"]
                 log(f"{'':18s} probe: " + ", ".join(
