@@ -127,23 +127,26 @@ def skip_update_if_nonfinite(ctx, loss: torch.Tensor, bad: torch.Tensor) -> None
     """Skip ``ctx``'s update where ``bad`` (0-d on the device: how many ranks had a non-finite ``loss``) is
     nonzero, and raise the NaN-loss error at the next use of the state the step returns; no host read.
     (Also `pipeline`'s, once its last stage broadcast the loss.)"""
+    # (The explanation holds the stack, which lives as long as the step, not ``ctx``: ``ctx`` holds the findings,
+    # so it would be a reference cycle, kept with the step's scratch until the garbage collector's next pass.)
     ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.detach().to(torch.float32)]),
-                                    functools.partial(_explain_nonfinite_loss, ctx)))
+                                    functools.partial(_explain_nonfinite_loss, ctx.stack)))
 
 
-def _explain_nonfinite_loss(ctx, values: list[float], step: int) -> FloatingPointError:
-    return _nonfinite_loss_error(values[1], ctx, (int(values[0]), step))
+def _explain_nonfinite_loss(stack, values: list[float], step: int) -> FloatingPointError:
+    return _nonfinite_loss_error(values[1], stack, (int(values[0]), step))
 
 
-def _nonfinite_loss_error(loss: float, ctx, found: tuple[int, int] | None) -> FloatingPointError:
-    """The error for a NaN/inf loss (``found``: on how many ranks, at which step; None: raised at once)."""
-    where = f" under {ctx.stack.transforms[0]!r}" if ctx is not None and ctx.stack.transforms else ""
+def _nonfinite_loss_error(loss: float, stack, found: tuple[int, int] | None) -> FloatingPointError:
+    """The error for a NaN/inf loss under ``stack`` (a `zfunc.interpret.Stack`, or None: a plain step; ``found``:
+    on how many ranks, at which step; None: raised at once)."""
+    where = f" under {stack.transforms[0]!r}" if stack is not None and stack.transforms else ""
     if found is None:
         return FloatingPointError(
             f"value_and_grad: the loss is {loss}{where}. The step stops here, before any update: the state it "
             f"was given is unchanged and can be stepped again. {_NONFINITE_ADVICE}")
     ranks, step = found
-    on = f" on {ranks} rank(s)" if ctx.facts.stage else ""
+    on = f" on {ranks} rank(s)" if stack.facts.stage else ""
     return FloatingPointError(
         f"value_and_grad: the loss is {loss}{on} at the step given the state with step={step}{where}. That step "
         "skipped its update before any update was written (the check is made on the device, without a host "

@@ -49,6 +49,7 @@ and gets it back with the new state (`Updated`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,12 +76,15 @@ def dispatch(primitive: str, plain: Callable, *args: Any) -> Any:
     if not handlers:
         return plain(*args)
 
-    def call(index: int, *call_args: Any) -> Any:
-        if index == len(handlers):
-            return plain(*call_args)
-        return handlers[index](lambda *a: call(index + 1, *a), *call_args)
-
-    return call(0, *args)
+    # Built from the innermost outwards, each handler bound to the one after it: a chain of partials that
+    # refer inwards only. (A recursive closure, a function whose cell holds itself, is a reference cycle:
+    # with what it reached, such as the step's context and its device scalars, it lived until the garbage
+    # collector's next pass, which then ran about once a step; and the small tensors it held moved where the
+    # next step's gradients landed.)
+    call = plain
+    for handler in reversed(handlers):
+        call = functools.partial(handler, call)
+    return call(*args)
 
 
 def psum(x: torch.Tensor) -> torch.Tensor:

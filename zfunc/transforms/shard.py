@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import weakref
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -450,10 +451,14 @@ class shard(Transform):  # noqa: N801
         units.prefetch_first(params, full_flats)
         outside = units.outside(params, full_flats)
         recomputed = self.stage == 3 and self.reshard == "recompute"
+        # (The call weakly: it holds the wrappers, and a wrapper holding it would be a reference cycle, which
+        # kept the call and its tensors until the garbage collector's next pass. A wrapper runs while the call
+        # runs, `model_call._run_locked`, where the call lives.)
+        call_of = weakref.ref(model_call)
         for block in plan.blocks:
 
             def wrapper(name, body, block=block):
-                return units.block_body(block, body, params, full_flats, recomputed or model_call.recomputed(name),
+                return units.block_body(block, body, params, full_flats, recomputed or call_of().recomputed(name),
                                         outside)
 
             model_call.wrap_block(block.name, wrapper, kind="materialize")

@@ -65,16 +65,28 @@ _KNOWN_LEAVES = (torch.Tensor, bool, int, float, complex, str, type(None))
 def detach_from(out: Any, base: torch.Tensor, opaque: Callable[[], None] | None = None) -> Any:
     """``out`` with every tensor that shares ``base``'s storage replaced by a (differentiable) copy;
     ``opaque()`` called if a leaf of ``out`` is not one of `_KNOWN_LEAVES`."""
-    leaves, spec = torch_pytree.tree_flatten(out)
     ptr = base.untyped_storage().data_ptr()
+    # The usual outputs, a tensor or a tuple of tensors (and Nones), looked at directly: this runs per block,
+    # and torch's tree_flatten (2.13) leaves a reference cycle per call (its recursive helper closure).
+    if isinstance(out, torch.Tensor):
+        return _unshared(out, ptr)
+    if type(out) is tuple and all(x is None or isinstance(x, torch.Tensor) for x in out):
+        fresh = tuple(x if x is None else _unshared(x, ptr) for x in out)
+        return fresh if any(a is not b for a, b in zip(fresh, out)) else out
+    leaves, spec = torch_pytree.tree_flatten(out)
     changed = False
     for i, x in enumerate(leaves):
         if not isinstance(x, torch.Tensor):
             if opaque is not None and not isinstance(x, _KNOWN_LEAVES):
                 opaque()
             continue
-        # (A DTensor, e.g. tensor_parallel's sequence-split activations, holds its data in its local tensor.)
-        local = x._local_tensor if isinstance(x, DTensor) else x
-        if x.numel() and local.untyped_storage().data_ptr() == ptr:
-            leaves[i], changed = x.clone(), True
+        leaves[i] = _unshared(x, ptr)
+        changed = changed or leaves[i] is not x
     return torch_pytree.tree_unflatten(leaves, spec) if changed else out
+
+
+def _unshared(x: torch.Tensor, ptr: int) -> torch.Tensor:
+    """``x``, or a (differentiable) copy of it where it lies in the storage at ``ptr``."""
+    # (A DTensor, e.g. tensor_parallel's sequence-split activations, holds its data in its local tensor.)
+    local = x._local_tensor if isinstance(x, DTensor) else x
+    return x.clone() if x.numel() and local.untyped_storage().data_ptr() == ptr else x
