@@ -59,19 +59,15 @@ def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None
     if tensors is None:
         return None
     # (Read by ``map`` over builtins, which dynamo runs natively: it interprets a loop per key, `zfunc.compiled`.)
+    # Each view's recorded key (``_zfunc_key``) is, while dynamo traces, a guarded constant: a state with views
+    # moved between keys fails the guard and is traced anew, and found out of place here.
     views = list(map(tensors.__getitem__, keys))
     owners = list(map(getattr, views, repeat(OWNER), repeat(None)))
     owner = owners[0]
-    if owner is None or False in list(map(operator.is_, owners, repeat(owner))) or not at_their_places(views, keys):
+    if (owner is None or False in list(map(operator.is_, owners, repeat(owner)))
+            or tuple(map(getattr, views, repeat(PLACE), repeat(None))) != keys):
         return None
     return owner
-
-
-def at_their_places(views: list, keys) -> bool:
-    """Whether each of ``views`` records (``_zfunc_key``) that it was made for the key of ``keys`` it is found
-    under. While dynamo traces, each recorded key is a guarded constant: a state with views moved between keys
-    fails the guard and is traced anew, here found out of place."""
-    return list(map(getattr, views, repeat(PLACE), repeat(None))) == list(keys)
 
 
 def moved_keys(tensors: dict, keys) -> list[str]:
