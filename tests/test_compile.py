@@ -215,7 +215,7 @@ def test_a_state_with_params_moved_between_keys_is_refused_eagerly(dist, stage, 
         assert _REFUSED in message, message
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # (2 ranks compiling: ~10 s)
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_state_with_params_moved_between_keys_is_refused_compiled(dist, stage, world):
     """The compiled step refuses it too, with the eager message and the keys. A trace cannot read a storage offset:
@@ -227,7 +227,7 @@ def test_a_state_with_params_moved_between_keys_is_refused_compiled(dist, stage,
         assert _REFUSED in message and "found under another key: ['" in message, message
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_stage_3_state_with_params_moved_between_keys_compiled_follows_the_keys(dist, world):
     """Stage 3 follows the keys, eager and compiled alike: the compiled step takes a unit's buffer whole only where
     every view sits under the key it was made for (`zfunc.optim.flat.owner_of`), else key by key, as eager does.

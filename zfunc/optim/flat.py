@@ -70,10 +70,12 @@ def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None
     return owner
 
 
-def moved_keys(tensors: dict, keys) -> list[str]:
+def moved_keys(tensors: dict, keys: tuple[str, ...]) -> list[str]:
     """The keys of ``keys`` under which ``tensors`` holds a view made for another key (``_zfunc_key``; views
     that record none, made anew by the user, are not counted: they are no buffer's, and taken key by key)."""
-    places = list(map(getattr, map(tensors.__getitem__, keys), repeat(PLACE), repeat(None)))
+    places = tuple(map(getattr, map(tensors.__getitem__, keys), repeat(PLACE), repeat(None)))
+    if places == keys:  # (every view at its place: one comparison, which dynamo runs natively, not a loop per key)
+        return []
     return [k for k, place in zip(keys, places) if place is not None and place != k]
 
 

@@ -238,7 +238,7 @@ class shard(Transform):  # noqa: N801
         moved between keys are refused, eager or traced (where the key each view records stands for the
         storage offset a trace cannot read: `zfunc.optim.flat.moved_keys`)."""
         if tracing():
-            moved = moved_keys(params, list(params))  # (its keys are the layout's: `_check_layout`)
+            moved = moved_keys(params, tuple(params))  # (its keys are the layout's: `_check_layout`)
             if moved:
                 raise RuntimeError(f"{_NOT_IN_LAYOUT} (found under another key: {moved[:6]})")
             return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
