@@ -22,11 +22,12 @@ from tests.models import make_batch, tiny_lm_step
 from zfunc.transforms import mixed_precision, shard
 
 # Instructions dynamo interprets per block of `tests.models.TinyLM` (6 trainable tensors per block) for
-# shard(mixed_precision(step, "bf16"), stage=1, 2 or 3) with AdamW, at one rank: on torch 2.13 1823, 1910 and 1727
-# (the model's own forward, the unit's flat update, its views); 5941 at stage 3 before per-key checks and lookups
-# left the loops and one rank differentiated each unit's flat buffer rather than each parameter (2248 with the
-# first alone), and 2584 and 2818 at stages 1 and 2 while they still differentiated each parameter and updated
-# it key by key (2026-11-25). Dynamo 2.11 (the CUDA build users install today) runs fewer of these forms natively:
+# shard(mixed_precision(step, "bf16"), stage=1, 2 or 3) with AdamW, at one rank: on torch 2.13 1941, 2028 and 1845
+# (the model's own forward, the unit's flat update, its views; 1823, 1910 and 1727 before each view's recorded
+# key was compared with the key it is found under, `zfunc.optim.flat.owner_of`); 5941 at stage 3 before per-key
+# checks and lookups left the loops and one rank differentiated each unit's flat buffer rather than each
+# parameter (2248 with the first alone), and 2584 and 2818 at stages 1 and 2 while they still differentiated
+# each parameter and updated it key by key (2026-11-25). Dynamo 2.11 (the CUDA build users install today) runs fewer of these forms natively:
 # 4200 there at stage 3 (2026-11-25, the CPU tests on the GPU machine). Each bound leaves ~15-25% of room.
 PER_BLOCK = 2200 if torch.__version__ >= (2, 13) else 5200  # (TorchVersion compares as numbers)
 

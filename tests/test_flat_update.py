@@ -1,7 +1,8 @@
 """The traced update once per flat buffer (`zfunc.optim.flat`) equals the per-parameter pure update bit for bit.
 
 The update is plain torch operations, so it is compared eagerly (fast) on states laid out like `shard`'s:
-per-key views of one flat buffer per run, each recording its buffer (``_zfunc_owner``), with uneven sizes,
+per-key views of one flat buffer per run, each recording its buffer (``_zfunc_owner``) and its key (``_zfunc_key``),
+with uneven sizes,
 an empty key (a rank's empty slice), a mask that decays some keys of a run and not others, clipping, a bf16
 compute copy, a skipped update; and once under torch.compile, where the owners are what dynamo reads.
 """
@@ -12,16 +13,16 @@ import pytest
 import torch
 
 import zfunc as zf
-from zfunc.optim.flat import OWNER, flat_adam_update
+from zfunc.optim.flat import OWNER, PLACE, flat_adam_update
 from zfunc.state import pure_update
 
-SHAPES = {"a.w": (5, 3), "a.b": (5,), "a.empty": (0,), "b.w": (7, 2), "b.norm": (2,), "b.b": (1,)}
+SHAPES = {"a.w": (5, 3), "a.b": (5,), "a.empty": (0,), "b.w": (7, 2), "b.norm": (2,), "b.b": (2,)}
 RUNS = (("a.w", "a.b"), ("b.w", "b.norm", "b.b"))
 PAD = 3  # (a shard's padding after the keys: not part of any key)
 
 
 def _flat_dict(values: dict, owned: bool = True) -> dict:
-    """Per run: the keys' values in one flat buffer (plus padding), as views recording it."""
+    """Per run: the keys' values in one flat buffer (plus padding), as views recording it and their keys."""
     out = {k: values[k].clone() for k in values}
     if not owned:
         return out
@@ -32,6 +33,7 @@ def _flat_dict(values: dict, owned: bool = True) -> dict:
             n = values[k].numel()
             out[k] = flat[pos:pos + n].view(values[k].shape)
             setattr(out[k], OWNER, flat)
+            setattr(out[k], PLACE, k)
             pos += n
     return out
 
@@ -160,6 +162,22 @@ def test_without_owners_and_mixed(owned):
     tx = OPTIMIZERS["adamw_mask"]()
     got, want, _ = _both(tx, _values(3, torch.bfloat16), owned=owned, copy_owned=False)
     _assert_equal(got, want)
+
+
+def test_views_moved_between_keys_are_taken_key_by_key():
+    """Two views of one run swapped under their keys (the same owner, each at the other's place) are taken key by
+    key, not as their buffer (`owner_of` compares the key each view records with the key it is found under):
+    equal to the per-parameter update of the swapped dict. (Taken whole, each was updated with the other's
+    gradient.)"""
+    tx = OPTIMIZERS["adamw_mask"]()
+    swapped = lambda d: {**d, "b.norm": d["b.b"], "b.b": d["b.norm"]}  # noqa: E731 (two of one shape)
+    params, opt_state = _states(tx, owned=True)
+    ref_params, ref_state = _states(tx, owned=False)
+    grads = _values(3)
+    new_params, new_state, _ = flat_adam_update(tx.fused, swapped(params), grads, opt_state, RUNS)
+    ref_new, _ = pure_update(tx, swapped(ref_params), grads, ref_state)
+    for k in ref_new:
+        torch.testing.assert_close(new_params[k], ref_new[k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("flag", [True, False])

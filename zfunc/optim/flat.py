@@ -13,15 +13,20 @@ its moments, its parameter shards), so the graph holds one set of elementwise
 operations and one write per buffer, whatever the number of parameters.
 
 Where a buffer is. A tensor of the state that is a view of a flat buffer made
-by zfunc carries it as ``tensor._zfunc_owner`` (set where the buffer is cut
-into views, `zfunc.transforms.shard`). Dynamo reads that attribute like any
-Python attribute (it becomes a graph input, aliasing the views, which
-AOTAutograd then merges into one base) and guards on which tensor it is, so a
-run is taken as flat only when every key of it holds the very same owner; a
-state whose tensors were replaced (no owner, or another one) takes the
-per-key route for that operand. Which keys form a run, in which order, is
-told by the caller (`zfunc.primitives.UpdateRequest.flat_runs`: the layout
-knows it; the storage offsets of a traced tensor cannot be read).
+by zfunc carries it as ``tensor._zfunc_owner`` and the key it was made for as
+``tensor._zfunc_key`` (set where the buffer is cut into views,
+`zfunc.transforms.shard_init`). Dynamo reads those attributes like any
+Python attribute (the owner becomes a graph input, aliasing the views, which
+AOTAutograd then merges into one base; the key a constant) and guards on
+which tensor and which string they are, so a run is taken as flat only when
+every key of it holds the very same owner and each tensor sits under the key
+it was made for: a state whose tensors were replaced (no owner, or another
+one) or moved between keys (two of one shape swapped: the same owner, at each
+other's places) takes the per-key route for that operand. Which keys form a
+run, in which order, is told by the caller
+(`zfunc.primitives.UpdateRequest.flat_runs`: the layout knows it; the storage
+offsets of a traced tensor cannot be read, so the recorded key stands for
+the place).
 
 Exactness: every element goes through the same operations, in the same
 order and dtypes, as in the pure chain of `zfunc.optim.adamw` / `adam`
@@ -45,19 +50,33 @@ from zfunc.optim.transforms import global_norm
 from zfunc.tree import numel_of
 
 OWNER = "_zfunc_owner"
+PLACE = "_zfunc_key"  # the key a view of a flat buffer was made for (its place in the buffer, told by the layout)
 
 
 def owner_of(tensors: dict | None, keys: tuple[str, ...]) -> torch.Tensor | None:
     """The flat buffer whose leading span ``tensors[keys]`` are views of, in order (see the module doc), or
-    None where any key has no owner or another one."""
+    None where any key has no owner or another one, or holds a view made for another key."""
     if tensors is None:
         return None
     # (Read by ``map`` over builtins, which dynamo runs natively: it interprets a loop per key, `zfunc.compiled`.)
-    owners = list(map(getattr, map(tensors.__getitem__, keys), repeat(OWNER), repeat(None)))
+    # Each view's recorded key (``_zfunc_key``) is, while dynamo traces, a guarded constant: a state with views
+    # moved between keys fails the guard and is traced anew, and found out of place here.
+    views = list(map(tensors.__getitem__, keys))
+    owners = list(map(getattr, views, repeat(OWNER), repeat(None)))
     owner = owners[0]
-    if owner is None or False in list(map(operator.is_, owners, repeat(owner))):
+    if (owner is None or False in list(map(operator.is_, owners, repeat(owner)))
+            or tuple(map(getattr, views, repeat(PLACE), repeat(None))) != keys):
         return None
     return owner
+
+
+def moved_keys(tensors: dict, keys: tuple[str, ...]) -> list[str]:
+    """The keys of ``keys`` under which ``tensors`` holds a view made for another key (``_zfunc_key``; views
+    that record none, made anew by the user, are not counted: they are no buffer's, and taken key by key)."""
+    places = tuple(map(getattr, map(tensors.__getitem__, keys), repeat(PLACE), repeat(None)))
+    if places == keys:  # (every view at its place: one comparison, which dynamo runs natively, not a loop per key)
+        return []
+    return [k for k, place in zip(keys, places) if place is not None and place != k]
 
 
 def _parts_of(tensors: dict, keys: tuple[str, ...], used: int, made: tuple | None) -> torch.Tensor | None:

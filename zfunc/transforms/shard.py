@@ -62,7 +62,7 @@ from zfunc import dist
 from zfunc.compiled import dict_of, same_keys, tracing
 from zfunc.interpret import Facts, Transform, Updated, current
 from zfunc.mesh import describe_mesh, dim_group
-from zfunc.optim.flat import owner_of
+from zfunc.optim.flat import moved_keys, owner_of
 from zfunc.recompute import refuse_running_statistics
 from zfunc.transforms.shard_compiled import CompiledComm, gather_updated, param_shards
 from zfunc.transforms.shard_layout import (
@@ -76,6 +76,11 @@ from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
 from zfunc.transforms.shard_units import Units
 from zfunc.tree import version_of
+
+
+_NOT_IN_LAYOUT = ("shard: state.params are not in shard's flat layout (were they replaced, or moved between keys?); "
+                  "use the state that step.init or the step returned (to copy one, copy.deepcopy(state) keeps the "
+                  "flat buffers; a per-tensor clone does not)")
 
 
 class ShardedParams(dict):
@@ -230,16 +235,19 @@ class shard(Transform):  # noqa: N801
     def _full_flats(params: dict, layout: ShardLayout) -> dict[str, torch.Tensor]:
         """Stages 1/2: the flat buffer each unit's full parameters are views of (while torch.compile
         traces, which cannot find it from storage: the unit's full parameters themselves, `shard_compiled`;
-        at one rank `_flats_and_shards` reads it from the parameters first, `_one_rank_flats`)."""
+        at one rank `_flats_and_shards` reads it from the parameters first, `_one_rank_flats`). Parameters
+        moved between keys are refused, eager or traced (where the key each view records stands for the
+        storage offset a trace cannot read: `zfunc.optim.flat.moved_keys`)."""
         if tracing():
+            moved = moved_keys(params, tuple(params))  # (its keys are the layout's: `_check_layout`)
+            if moved:
+                raise RuntimeError(f"{_NOT_IN_LAYOUT} (found under another key: {moved[:6]})")
             return {unit.name: {k: params[k] for k in unit.keys} for unit in layout.units}
         flats = {}
         for unit in layout.units:
             flat = unit.full_flat_of({k: params[k] for k in unit.keys})
             if flat is None:
-                raise RuntimeError("shard: state.params are not in shard's flat layout (were they replaced, or moved "
-                                   "between keys?); use the state that step.init or the step returned (to copy one, "
-                                   "copy.deepcopy(state) keeps the flat buffers; a per-tensor clone does not)")
+                raise RuntimeError(_NOT_IN_LAYOUT)
             flats[unit.name] = flat
         return flats
 

@@ -26,7 +26,9 @@ equivalents instead, at the few points `shard.py` and `shard_units.py` name:
 - shards and the in-place all-gather of updated parameters (stages 1/2) are
   per-key slices of the parameters, not views of a buffer found from storage
   (at one rank, where nothing is gathered, `shard` finds each unit's buffer
-  recorded on its parameters and cuts the shards from it).
+  recorded on its parameters and cuts the shards from it, where each records
+  that it sits under its own key: `zfunc.optim.flat.owner_of`; parameters
+  moved between keys are refused, as the eager step refuses them).
 
 What a compiled step does not do that the eager one does: the check that every
 rank issued the same collectives (``verify``; a rank that diverges hangs in

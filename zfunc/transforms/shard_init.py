@@ -24,7 +24,7 @@ import torch
 
 from zfunc import dist
 from zfunc.interpret import Transform
-from zfunc.optim.flat import OWNER
+from zfunc.optim.flat import OWNER, PLACE
 from zfunc.tiers.placement import Placement
 from zfunc.transforms.shard_layout import ROOT, ShardLayout, make_layout, map_param_shaped, merge_units
 from zfunc.tree import tree_leaves, tree_map_tensors
@@ -262,9 +262,13 @@ def owned_views(unit, flat_shard: torch.Tensor, rank: int) -> dict[str, torch.Te
 
 
 def _recording_owner(views: dict[str, torch.Tensor], flat: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``views`` (of ``flat``), each recording ``flat`` as the buffer it views (``_zfunc_owner``)."""
-    for view in views.values():
+    """``views`` (of ``flat``), each recording ``flat`` as the buffer it views (``_zfunc_owner``) and its key as
+    where in it it lies (``_zfunc_key``). A compiled step cannot read a view's storage offset; what it reads
+    instead is this record, so that a view found under another key (two parameters of one shape swapped in
+    state.params) is not taken for the one the layout puts there (`zfunc.optim.flat.owner_of`)."""
+    for key, view in views.items():
         setattr(view, OWNER, flat)
+        setattr(view, PLACE, key)
     return views
 
 
