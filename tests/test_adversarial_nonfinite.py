@@ -14,6 +14,8 @@ scaling the scaler skips such steps instead (tested with mixed_precision).
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -142,3 +144,32 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_and_keeps_the_state(stage):
         clear_error(lambda: (_ for _ in ()).throw(FloatingPointError(out["message"])), "loss is", "1 rank",
                     "step=1", "skipped its update", exc=FloatingPointError)
         assert out["unchanged"] and out["finite"], (rank, out)
+
+
+@outcome("clear")
+@pytest.mark.parametrize("stack", ["bf16", "shard1", "shard3"])
+def test_a_nonfinite_loss_of_an_eager_step_is_raised_by_the_compiled_step_after_it(stack):
+    """A run that steps eagerly, then compiles its step (warm-up steps before the compile, say): the eager
+    step's finding is still raised, once, by the compiled step given its state (read while dynamo traces:
+    the finding was copied to the host by the eager step; dynamo raises it as an exception it observed, with
+    the message), and the run goes on compiled from that state. Before, any state an eager step returned
+    stopped the trace at the host copy's read ("Tensor.tolist() with non-integer tensor")."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params, step = _step()
+    stepped = STACKS[stack](step)
+    state = zf.init(stepped, zf.TrainState.create(copies(params), zf.optim.adamw(1e-2)))
+    state, _ = stepped(state, make_batch(seed=0))
+    before = zf.gather(stepped, state)
+    state, _ = stepped(state, poisoned(make_batch(seed=1), float("nan")))  # eager: the update skipped
+    twin = copy.deepcopy(state)  # (stepped on eagerly, for the compiled run's values)
+    compiled = torch.compile(stepped, fullgraph=True, backend="eager")
+    clear_error(lambda: compiled(state, make_batch(seed=1)), "loss is nan", "step=1", "skipped its update",
+                exc=Exception)
+    assert_same(zf.gather(stepped, state), before)
+    state, _ = compiled(state, make_batch(seed=1))  # (the finding was raised once)
+    clear_error(lambda: stepped(twin, make_batch(seed=1)), "loss is nan", exc=FloatingPointError)
+    twin, _ = stepped(twin, make_batch(seed=1))
+    assert int(state.step) == 2
+    # (close, not bitwise: at one rank the compiled step updates each unit's flat buffer in one piece)
+    assert_same(zf.gather(stepped, state), zf.gather(stepped, twin), rtol=1e-6, atol=1e-7)

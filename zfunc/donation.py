@@ -148,8 +148,16 @@ def check_alive(state, what: str) -> None:
     an error on the device (a NaN loss: `Finding`; raised once, the state is usable afterwards)."""
     donation = getattr(state, "donation", None)
     if isinstance(donation, Donation) and donation.pending is not None:
-        pending, donation.pending = donation.pending, None
-        pending.raise_if_found()
+        if torch.compiler.is_dynamo_compiling():
+            # A state from an eager step given to a compiled one: its findings are read as dynamo traces (the host
+            # copy's read cannot be traced; its values are known). A finding stops the trace with its message
+            # (dynamo raises it as the error of an exception it observed), once: the state is usable afterwards.
+            message = _found_at_trace(donation)
+            if message is not None:
+                raise FloatingPointError(message)
+        else:
+            pending, donation.pending = donation.pending, None
+            pending.raise_if_found()
     if isinstance(donation, Donation) and donation.dead is not None:
         raise ValueError(
             f"{what} was given a state that {donation.dead} already consumed: a transformed step updates the "
@@ -157,3 +165,15 @@ def check_alive(state, what: str) -> None:
             "returned; to keep a snapshot, copy it before the step with copy.deepcopy(state) (which keeps the "
             "buffers the layout shares, e.g. shard's flat per-unit buffers; a per-tensor clone loses them) or "
             "take step.gather(state).")
+
+
+@torch._dynamo.assume_constant_result  # run as Python while dynamo traces, its result a constant of the trace
+def _found_at_trace(donation: Donation) -> str | None:
+    """The message of the first finding ``donation`` holds (every finding's error is a FloatingPointError), or
+    None; the findings dropped (here, in Python: a trace stopped by the error keeps none of its side effects)."""
+    pending, donation.pending = donation.pending, None
+    try:
+        pending.raise_if_found()
+    except FloatingPointError as err:
+        return str(err)
+    return None
