@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call: the GPU kernel tests and benchmark, the optimizer phase's host time (update), NCCL equivalence, the head-to-head table,
+# One device call: the GPU kernel tests and benchmark, the host-read test, the compile tests on this torch, cold/warm compile time, the optimizer phase's host time (update), NCCL equivalence, the head-to-head table,
 # the CPU Adam benchmark, the single-GPU table and the largest-model runs (PARTS picks; TAG names a repeat;
 # PROFILE=1 or CPROFILE=1 profiles 3 extra steps of each contender, after its timed steps; OFFLOAD_THREADS=N
 # gives the offload contenders N host-update threads).
@@ -32,6 +32,21 @@ if [[ $PARTS == *update* ]]; then
   run update_tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_fused_plan.py tests/test_gpu_adam.py -k "cuda or sm90"
   run update_medium 240 python3 benchmarks/update_host_time.py --device cuda --medium --steps 30
   run update_tiny 120 python3 benchmarks/update_host_time.py --device cuda --steps 30
+fi
+if [[ $PARTS == *hostreads* ]]; then
+  # Issue #25's test on the GPU: no host read in a steady-state step of any stack (set_sync_debug_mode("error")).
+  run host_reads ${HOSTREADS_LIMIT:-180} python3 tests/gpu/host_reads.py
+fi
+if [[ $PARTS == *compiletests* ]]; then
+  # The compile tests on this machine's torch (the CUDA build users install; CPU CI runs 2.13), on the CPU here:
+  # the traced path must trace on both. (Forked ranks: run before any CUDA work in the process.)
+  run compile_tests ${COMPILETESTS_LIMIT:-240} env CUDA_VISIBLE_DEVICES= python3 -m pytest -q -p no:cacheprovider \
+    tests/test_compile_trace_cost.py tests/test_compile.py -k "${COMPILETESTS_K:-world_1 or bounded or gathers_nothing or refus or guard}"
+fi
+if [[ $PARTS == *compiletime* ]]; then
+  # Cold and warm compile of each contender in fresh processes, against the floor's in the same call.
+  (cd benchmarks && run compile_time_$MODEL${TAG:-} ${COMPILETIME_LIMIT:-300} python3 compile_time.py --model "$MODEL" \
+    --seq 1024 --micro-batch 8 --contenders "${COMPILE_CONTENDERS:-floor,zfunc-s3-compiled}" --json "$OUT/compile_time.json")
 fi
 if [[ $PARTS == *equiv* ]]; then
   run equiv ${EQUIV_LIMIT:-240} torchrun --nproc-per-node "$NGPU" tests/gpu/nccl_equivalence.py
@@ -71,5 +86,5 @@ if [[ $PARTS == *single* ]]; then
   run single_$MODEL${TAG:-} ${SINGLE_LIMIT:-300} torchrun --nproc-per-node 1 benchmarks/gpt_zero.py --model "$MODEL" --steps "$STEPS" \
     --contenders ${SINGLE_CONTENDERS:-floor,zfunc-s1,zfunc-s2,zfunc-s3,zfunc-s3-checkpoint,zfunc-s2-offload,zfunc-s3-offload,fsdp2,ds-z2,ds-z3,ds-z2-offload} \
     --json "$OUT/single_$MODEL${TAG:-}.json" ${PROFILE:+--profile} ${CPROFILE:+--cprofile} \
-    ${OFFLOAD_THREADS:+--offload-threads "$OFFLOAD_THREADS"}
+    ${OFFLOAD_THREADS:+--offload-threads "$OFFLOAD_THREADS"} ${HOSTPROBE:+--host-probe} ${WARMUP:+--warmup "$WARMUP"}
 fi
