@@ -33,6 +33,11 @@ if [[ $PARTS == *update* ]]; then
   run update_medium 240 python3 benchmarks/update_host_time.py --device cuda --medium --steps 30
   run update_tiny 120 python3 benchmarks/update_host_time.py --device cuda --steps 30
 fi
+if [[ $PARTS == *gputests* ]]; then
+  # The CUDA tests of the fused plan, the GPU Adam and the graphed update alone (the update part's tests, no benchmark).
+  run gpu_tests ${GPUTESTS_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider tests/test_fused_plan.py \
+    tests/test_gpu_adam.py tests/test_update_graph.py -k "cuda or sm90"
+fi
 if [[ $PARTS == *hostreads* ]]; then
   # Issue #25's test on the GPU: no host read in a steady-state step of any stack (set_sync_debug_mode("error")).
   run host_reads ${HOSTREADS_LIMIT:-180} python3 tests/gpu/host_reads.py
