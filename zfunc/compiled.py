@@ -125,6 +125,24 @@ def all_true(flags: Iterable) -> bool:
     return all(flags)
 
 
+def constant_table(value: tuple) -> dict:
+    """``value``, a table of constants (a tuple of strings, ints, None and such tuples) that code dynamo traces
+    reads, kept as the one key of a dict: read it back with `table_of`.
+
+    Why: dynamo guards what a trace reads, element by element: a tuple of N strings read from a source costs
+    N + 1 guards, each built at every trace and checked at every call. A dict's keys it guards as a whole,
+    by one comparison (``DICT_KEYS_MATCH``, torch 2.11 and 2.13), and the parts of a key read so are
+    constants of the trace. So a table that never changes (a layout's, a model structure's: built once,
+    outside any trace) costs one guard, which still fails, and retraces, wherever another table is found."""
+    return {value: None}
+
+
+def table_of(holder: dict) -> tuple:
+    """The table a `constant_table` holds."""
+    (value,) = holder
+    return value
+
+
 def init_fields(cls: type) -> tuple[str, ...]:
     """The names of a dataclass's fields, for `replaced`; each must be an ``__init__`` argument."""
     fields = dataclasses.fields(cls)
