@@ -61,6 +61,19 @@ wrapping is interpreted per leaf), and the graph holds no autograd Function (the
 shards themselves, `zfunc.transforms.shard_units.Units.runs_on_shards`), so AOTAutograd's cache,
 which refuses one, spares a warm run the joint graph's trace.
 
+The guards. Dynamo guards what a trace reads, and builds every guard at every trace (a warm start's
+too) and checks them at every call: a tuple of N constants read element by element is N + 1
+guards, and an object reached along two paths (a table's entry and the module's own attribute,
+two tables holding one dict) a guard that both still lead to it, which dynamo evaluates in Python
+at every call, after a pass over all such guards that grows with the square of their paths'
+depth. So zfunc's tables that never change are read as one constant each (`constant_table`), and
+what zfunc reads twice (a slot of the model, `zfunc.model_structure.ModelStructure._check_trainable`
+and `zfunc.reparametrize.swapped`) is read along one path (``tests/test_compile_trace_cost.py``
+bounds the guard entries per block). What stays per state
+tensor: its tensor match, and at one rank each view's recorded buffer and key
+(`zfunc.optim.flat.owner_of`): the guards that a state's views are still where the flat update
+writes.
+
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose
 ``active`` attribute dynamo traces like any object's.
