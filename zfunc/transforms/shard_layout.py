@@ -136,7 +136,7 @@ class UnitLayout:
 
     def filled_keys(self, rank: int) -> tuple[str, ...]:
         """The keys with elements in ``rank``'s flat shard, in their order there (their slices tile its start)."""
-        cache = self._filled  # (each a `constant_table`: a traced step reads it under one guard)
+        cache = self._filled_tables  # (each a `constant_table`: a traced step reads it under one guard)
         if rank not in cache:
             filled = tuple(key for key, start, end in self.shard_spans(rank) if end > start)
             remember(cache, rank, constant_table(filled))
@@ -145,7 +145,7 @@ class UnitLayout:
         return filled
 
     @cached_property
-    def _filled(self) -> dict[int, dict]:
+    def _filled_tables(self) -> dict[int, dict]:  # (not ``_filled``: a layout pickled before keeps tuples there)
         return {}
 
     def table(self) -> tuple[str, tuple[str, ...], tuple[int, ...], int, int, tuple[str, ...], tuple]:
@@ -155,11 +155,9 @@ class UnitLayout:
         (table,) = self._table  # (`zfunc.compiled.table_of`, inline: a call dynamo inlines costs it instructions)
         return table
 
-    def __post_init__(self) -> None:
-        # (A plain attribute, made with the layout, which is immutable: read while dynamo traces, a cached
-        # property's ``__get__`` is interpreted at every read.)
-        object.__setattr__(self, "_table", constant_table(
-            (self.name, self.keys, self.numels, self.numel, self.padded, *self._shaped)))
+    @cached_property
+    def _table(self) -> dict:
+        return constant_table((self.name, self.keys, self.numels, self.numel, self.padded, *self._shaped))
 
     def derive(self, rank: int) -> None:
         """Compute now what the cached properties and per-rank caches hold for ``rank``: a step that dynamo
@@ -168,7 +166,7 @@ class UnitLayout:
         12-block step. Outside a trace only."""
         if torch.compiler.is_dynamo_compiling():
             return
-        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides", "_shaped"):
+        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides", "_shaped", "_table"):
             getattr(self, name)
         self.shard_spans(rank), self._split_sizes(rank), self.shard_positions(rank), self.filled_keys(rank)
 
