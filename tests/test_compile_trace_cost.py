@@ -28,7 +28,9 @@ from zfunc.transforms import mixed_precision, shard
 # checks and lookups left the loops and one rank differentiated each unit's flat buffer rather than each
 # parameter (2248 with the first alone), and 2584 and 2818 at stages 1 and 2 while they still differentiated
 # each parameter and updated it key by key (2026-11-25). Dynamo 2.11 (the CUDA build users install today) runs fewer of these forms natively:
-# 4200 there at stage 3 (2026-11-25, the CPU tests on the GPU machine). Each bound leaves ~15-25% of room.
+# 4200 there at stage 3 (2026-11-25, the CPU tests on the GPU machine). 1975, 2062 and 1868 on 2.13 once zfunc's
+# tables were read as one constant each (2026-12-01: the unpacking of a table, against the guards of each element,
+# `GUARDS_PER_BLOCK`). Each bound leaves ~10-25% of room.
 PER_BLOCK = 2200 if torch.__version__ >= (2, 13) else 5200  # (TorchVersion compares as numbers)
 
 
@@ -73,6 +75,46 @@ def test_a_traced_step_interprets_a_bounded_number_of_instructions_per_block(dis
     traced = dist(_instructions_per_depth, 1, stage, timeout=300)[0]
     per_block = (traced[4] - traced[2]) / 2
     assert 0 < per_block <= PER_BLOCK, (per_block, traced)
+
+
+# Guard entries dynamo installs per block of TinyLM for the same steps (counted by a ``guard_filter_fn`` that keeps
+# every one; an entry read twice is counted twice), on torch 2.13: 484.5, 491.5 and 483.5 at stages 1, 2 and 3
+# before the model's slots were read along one path (`zfunc.model_structure.ModelStructure._check_trainable`) and
+# zfunc's own tables (a unit's names, sizes and shapes, the model's outer names) read as one constant each
+# (`zfunc.compiled.constant_table`); 419.5, 426.5 and 421.5 after (2026-12-01; GPT-2's blocks at stage 3: 992 ->
+# ~850, the floor's ``torch.compile(model)`` 189). Dynamo 2.11 counts fewer (it reads an attribute with a
+# default under one entry, 2.13 under three): 345.5, 347.5 and 346.5 before, 307.5, 309.5 and 306.5 after (the CPU,
+# Python 3.11). Each bound leaves ~10-15% of room, under the figures before.
+GUARDS_PER_BLOCK = {1: 480, 2: 490, 3: 480} if torch.__version__ >= (2, 13) else {1: 340, 2: 340, 3: 340}
+
+
+def _guard_entries_per_depth(stage: int) -> dict[int, int]:
+    """Dynamo's guard entries for the step at depths 2 and 4 (in a forked rank: see `_instructions_per_depth`)."""
+    entries = [0]
+
+    def keep_all(found):
+        entries[0] += len(found)
+        return [True] * len(found)
+
+    counted = {}
+    for depth in (2, 4):
+        step, state = _step(depth, stage=stage)
+        entries[0] = 0
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        torch.compile(step, fullgraph=True, backend="eager", options={"guard_filter_fn": keep_all})(state, make_batch())
+        counted[depth] = entries[0]
+    return counted
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_compiled_step_installs_a_bounded_number_of_guards_per_block(dist, stage):
+    """Every guard is built at each trace (a warm start's too) and checked at every call: what zfunc reads while
+    dynamo traces (its tables, the state's views) must not add guards per block beyond what it did."""
+    counted = dist(_guard_entries_per_depth, 1, stage, timeout=300)[0]
+    per_block = (counted[4] - counted[2]) / 2
+    assert 0 < per_block <= GUARDS_PER_BLOCK[stage], (per_block, counted)
 
 
 def _drop_a_gradient(model, plain):

@@ -61,6 +61,19 @@ wrapping is interpreted per leaf), and the graph holds no autograd Function (the
 shards themselves, `zfunc.transforms.shard_units.Units.runs_on_shards`), so AOTAutograd's cache,
 which refuses one, spares a warm run the joint graph's trace.
 
+The guards. Dynamo guards what a trace reads, and builds every guard at every trace (a warm start's
+too) and checks them at every call: a tuple of N constants read element by element is N + 1
+guards, and an object reached along two paths (a table's entry and the module's own attribute,
+two tables holding one dict) a guard that both still lead to it, which dynamo evaluates in Python
+at every call, after a pass over all such guards that grows with the square of their paths'
+depth. So zfunc's tables that never change are read as one constant each (`constant_table`), and
+what zfunc reads twice (a slot of the model, `zfunc.model_structure.ModelStructure._check_trainable`
+and `zfunc.reparametrize.swapped`) is read along one path (``tests/test_compile_trace_cost.py``
+bounds the guard entries per block). What stays per state
+tensor: its tensor match, and at one rank each view's recorded buffer and key
+(`zfunc.optim.flat.owner_of`): the guards that a state's views are still where the flat update
+writes.
+
 What needs no other route: a wrapped block's forward is routed by a
 `zfunc.model_structure.BlockDispatch` installed once outside any trace, whose
 ``active`` attribute dynamo traces like any object's.
@@ -123,6 +136,24 @@ def all_true(flags: Iterable) -> bool:
     if torch.compiler.is_dynamo_compiling():
         return False not in list(flags)
     return all(flags)
+
+
+def constant_table(value: tuple) -> dict:
+    """``value``, a table of constants (a tuple of strings, ints, None and such tuples) that code dynamo traces
+    reads, kept as the one key of a dict: read it back with `table_of`.
+
+    Why: dynamo guards what a trace reads, element by element: a tuple of N strings read from a source costs
+    N + 1 guards, each built at every trace and checked at every call. A dict's keys it guards as a whole,
+    by one comparison (``DICT_KEYS_MATCH``, torch 2.11 and 2.13), and the parts of a key read so are
+    constants of the trace. So a table that never changes (a layout's, a model structure's: built once,
+    outside any trace) costs one guard, which still fails, and retraces, wherever another table is found."""
+    return {value: None}
+
+
+def table_of(holder: dict) -> tuple:
+    """The table a `constant_table` holds."""
+    (value,) = holder
+    return value
 
 
 def init_fields(cls: type) -> tuple[str, ...]:

@@ -152,7 +152,10 @@ def run_model_call(call: ModelCall) -> Any:
         transforms = ctx.stack.transforms  # (their repr is made only for an error: it is not cheap)
         check_shapes_and_dtypes(model, structure.spec, call.params, call.partial_keys, ctx.facts.compute_dtype,
                                 lambda: f" under {transforms[0]!r}" if transforms else "", structure.shapes_passed)
-    outer_params = _named(structure.outer_names(prefixes), call.params)
+    if tracing():
+        outer_params = _named_in_trace(structure.outer_table(prefixes), call.params)
+    else:
+        outer_params = _named(structure.outer_names(prefixes), call.params)
     if prefixes:
         outer_params.update({name: call.params[key] for name, key in structure.inner_names(prefixes)
                              if key in call.params})
@@ -184,11 +187,16 @@ def run_model_call(call: ModelCall) -> Any:
 
 def _named(pairs: list[tuple[str, str]], params: dict) -> dict:
     """``{name: params[key]}`` for the ``(name, key)`` pairs whose key ``params`` has."""
-    if tracing():  # (every key there, the usual case, by ``map``: dynamo runs it natively, `zfunc.compiled`)
-        names, keys = zip(*pairs) if pairs else ((), ())
-        if frozenset(keys) <= frozenset(params):
-            return dict_of(names, map(params.__getitem__, keys))
     return {name: params[key] for name, key in pairs if key in params}
+
+
+def _named_in_trace(table: dict, params: dict) -> dict:
+    """`_named` while dynamo traces, of the pairs as ``(names, keys)`` in a `zfunc.compiled.constant_table`
+    (`ModelStructure.outer_table`: one guard for all of them)."""
+    ((names, keys),) = table
+    if frozenset(keys) <= frozenset(params):  # (every key there, the usual case, by ``map``: natively in a trace)
+        return dict_of(names, map(params.__getitem__, keys))
+    return {name: params[key] for name, key in zip(names, keys) if key in params}
 
 
 def _run_locked(call: ModelCall, model: nn.Module, outer_params: dict) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 from typing import Any, Callable, TypeVar
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from zfunc.blocks import find_blocks, select_blocks
-from zfunc.compiled import remember, tracing
+from zfunc.compiled import constant_table, remember, tracing
 from zfunc.data_access import DataReadHistory, ParamsWatch
 from zfunc.reparametrize import SlotTable
 from zfunc.tree import requires_grad_of
@@ -60,6 +61,7 @@ class ModelStructure:
         self._trainable_tensors = [p for _, _, _, p in self.trainable]
         self._trainable_owners = [where for _, where, _, _ in self.trainable]
         self._trainable_attrs = [attr for _, _, attr, _ in self.trainable]
+        self._trainable_names = [name for name, _, _, _ in self.trainable]
         self.slots: dict = {}  # `zfunc.reparametrize.swapped`'s slots per (module, names)
         # The slot tables of the model and of its routed blocks, built now, outside any trace (`SlotTable`).
         self.slot_tables: dict[nn.Module, SlotTable] = {model: SlotTable(model)}
@@ -70,6 +72,7 @@ class ModelStructure:
         self._block_names: dict[str, dict[str, str]] = {}
         self._block_ties: dict[str, bool] = {}
         self._outer: dict[tuple, list[tuple[str, str]]] = {}
+        self._outer_tables: dict[tuple, dict] = {}
         self._inner: dict[tuple, list[tuple[str, str]]] = {}
         self._placeholders: dict[tuple, dict[str, torch.Tensor]] = {}
         # While a call runs (under ``lock``): key -> the full parameter, for a sharded block's parameter
@@ -93,7 +96,7 @@ class ModelStructure:
                            if not isinstance(self.module(name), (nn.ModuleList, nn.ModuleDict))])
         # (Found now, outside any trace, as the blocks' modules just were: the names a call of the whole model
         # with no block wrapped swaps in, which a traced call would otherwise find per name at every trace.)
-        self.outer_names(())
+        self.outer_table(())
 
     def module(self, name: str) -> nn.Module:
         """``model.get_submodule(name)``, looked up once per name."""
@@ -217,6 +220,16 @@ class ModelStructure:
                              [(n, k) for n, k in self.aliases.items() if not n.startswith(prefixes)])
         return outer
 
+    def outer_table(self, prefixes: tuple[str, ...]) -> dict:
+        """`outer_names` as ``(names, keys)`` in a `zfunc.compiled.constant_table`: what a call dynamo traces reads,
+        under one guard (the pairs themselves it would guard name by name and key by key)."""
+        table = self._outer_tables.get(prefixes)
+        if table is None:
+            pairs = self.outer_names(prefixes)
+            names, keys = (tuple(column) for column in zip(*pairs)) if pairs else ((), ())
+            table = remember(self._outer_tables, prefixes, constant_table((names, keys)))
+        return table
+
     def inner_names(self, prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
         """``(name, key)`` of the trainable names inside the blocks with these ``prefixes``."""
         inner = self._inner.get(prefixes)
@@ -255,13 +268,20 @@ class ModelStructure:
                     return
             except AttributeError:  # a slot holding None
                 pass
-        # While dynamo traces: the same reads by ``map`` over ``getattr`` (natively, where it interprets the
-        # loop below per parameter), each tensor guarded by dynamo as it reads it, so a later change
-        # recompiles and meets this check again.
-        elif False not in list(map(getattr, self._trainable_tensors, itertools.repeat("requires_grad"))) + list(
-                map(getattr, map(dict.get, self._trainable_owners, self._trainable_attrs),
-                    itertools.repeat("requires_grad"), itertools.repeat(True))):
-            return
+        # While dynamo traces: the tensor each slot holds, read by ``map`` (natively, where it interprets the
+        # loop below per parameter) and guarded by dynamo as it reads it, so a later change recompiles and
+        # meets this check again. Read through the model's slot table, the path `zfunc.reparametrize.swapped`
+        # takes to the same dicts and tensors next: an object dynamo reaches along two paths costs a guard
+        # that both still lead to it (evaluated in Python at every call, and built by a pass quadratic in
+        # the paths' depth), and the module's own tensors a guard each. A slot holding its original tensor
+        # (the usual case) is the eager check; where it holds another, that one is what trains.
+        else:
+            slots = list(map(self.slot_tables[self.model].slots.get, self._trainable_names))
+            nows = list(map(dict.get, map(operator.getitem, slots, itertools.repeat(0)),
+                            map(operator.getitem, slots, itertools.repeat(1))))
+            if False not in list(map(isinstance, nows, itertools.repeat(torch.Tensor))) + list(
+                    map(getattr, nows, itertools.repeat("requires_grad"), itertools.repeat(True))):
+                return
         for name, where, attr, p in self.trainable:
             # The slot may hold another tensor by now (``model.to("meta")`` makes new ones: the module
             # is only a template); what matters is that it still trains.

@@ -581,10 +581,11 @@ def _unit_flats(shards: dict, layout: ShardLayout) -> dict[str, torch.Tensor] | 
     the whole of one buffer of their own (`shard_init.owned_views` at one rank), else None."""
     flats = {}
     for unit in layout.units:
-        flat = owner_of(shards, unit.keys)
-        if flat is None or flat.dim() != 1 or flat.numel() != unit.padded or unit.padded != unit.numel:
+        ((name, keys, _, numel, padded, _, _),) = unit._table  # (`UnitLayout.table`, inline: one guard in a trace)
+        flat = owner_of(shards, keys)
+        if flat is None or flat.dim() != 1 or flat.numel() != padded or padded != numel:
             return None
-        flats[unit.name] = flat
+        flats[name] = flat
     return flats
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
+from zfunc.compiled import all_true, cached_property, constant_table, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
 from zfunc.tree import SameObjects, register_pytree_node, shape_of
 
@@ -136,14 +136,28 @@ class UnitLayout:
 
     def filled_keys(self, rank: int) -> tuple[str, ...]:
         """The keys with elements in ``rank``'s flat shard, in their order there (their slices tile its start)."""
-        cache = self._filled
+        cache = self._filled_tables  # (each a `constant_table`: a traced step reads it under one guard)
         if rank not in cache:
-            return remember(cache, rank, tuple(key for key, start, end in self.shard_spans(rank) if end > start))
-        return cache[rank]
+            filled = tuple(key for key, start, end in self.shard_spans(rank) if end > start)
+            remember(cache, rank, constant_table(filled))
+            return filled
+        (filled,) = cache[rank]  # (`zfunc.compiled.table_of`, inline: a call dynamo inlines costs it instructions)
+        return filled
 
     @cached_property
-    def _filled(self) -> dict[int, tuple[str, ...]]:
+    def _filled_tables(self) -> dict[int, dict]:  # (not ``_filled``: a layout pickled before keeps tuples there)
         return {}
+
+    def table(self) -> tuple[str, tuple[str, ...], tuple[int, ...], int, int, tuple[str, ...], tuple]:
+        """``(name, keys, numels, numel, padded, shaped keys, their shapes)``: what a step reads of this unit to
+        split and view its flat buffers (the last two: `_shaped`), as one `zfunc.compiled.constant_table`, which
+        dynamo guards by one comparison where it would guard each element of each field."""
+        (table,) = self._table  # (`zfunc.compiled.table_of`, inline: a call dynamo inlines costs it instructions)
+        return table
+
+    @cached_property
+    def _table(self) -> dict:
+        return constant_table((self.name, self.keys, self.numels, self.numel, self.padded, *self._shaped))
 
     def derive(self, rank: int) -> None:
         """Compute now what the cached properties and per-rank caches hold for ``rank``: a step that dynamo
@@ -152,7 +166,7 @@ class UnitLayout:
         12-block step. Outside a trace only."""
         if torch.compiler.is_dynamo_compiling():
             return
-        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides", "_shaped"):
+        for name in ("numels", "offsets", "numel", "shard_size", "padded", "_strides", "_shaped", "_table"):
             getattr(self, name)
         self.shard_spans(rank), self._split_sizes(rank), self.shard_positions(rank), self.filled_keys(rank)
 
@@ -169,16 +183,16 @@ class UnitLayout:
 
     def split_flat(self, flat_full: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each key's 1-D part of a full flat buffer, by one ``split`` (the padding left out)."""
-        sizes = self.numels + ((self.padded - self.numel,) if self.padded > self.numel else ())
-        return dict_of(self.keys, flat_full.split(sizes))
+        ((_, keys, numels, numel, padded, _, _),) = self._table  # (`table`, inline: one guard while dynamo traces)
+        return dict_of(keys, flat_full.split(numels + ((padded - numel,) if padded > numel else ())))
 
     def reshaped(self, slices: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each key's tensor in ``slices`` viewed in its parameter's shape: at world size 1, where a shard
         is its whole parameter (1-D ones are given as they are)."""
         # (By ``map``: in C eagerly, and natively while dynamo traces, where a comprehension is interpreted per key.)
-        out = dict_of(self.keys, map(slices.__getitem__, self.keys))
-        keys, shapes = self._shaped
-        out.update(zip(keys, map(torch.Tensor.view, map(slices.__getitem__, keys), shapes)))
+        ((_, keys, _, _, _, shaped, shapes),) = self._table  # (`table`, inline)
+        out = dict_of(keys, map(slices.__getitem__, keys))
+        out.update(zip(shaped, map(torch.Tensor.view, map(slices.__getitem__, shaped), shapes)))
         return out
 
     @cached_property
