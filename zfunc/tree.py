@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import optree
 import torch
@@ -310,6 +310,106 @@ class SameObjects:
 
     def __call__(self, objects: Iterable) -> bool:
         return self.alive[0] and tuple(map(id, objects)) == self.ids
+
+
+# -- a dict's version tag: evidence that a dict still holds what it held ----------------------------------
+# CPython gives every dict a version tag (``ma_version_tag``) from one counter of the interpreter: a new dict
+# gets a tag no dict had before, and inserting, deleting or replacing a value by another object gives the dict
+# a new one. So a dict read with a tag read before is that very dict, unchanged since: it holds the very
+# objects it held then, in the same order, alive (it holds them). One read per dict (~60 ns) where a walk of
+# its values reads each; what a step checks of a state's dicts of tensors at every step.
+
+
+def _dict_tag_reader() -> Callable[[dict], int] | None:
+    """The reader of a dict's version tag, or None where there is none that behaves as described above.
+
+    Torch's dynamo guards read it (``torch._C._dynamo.guards.dict_version``: private, present in torch 2.11 and
+    2.13 on Python 3.11 and 3.12; Python 3.14 removes the tag). It is tried once, here, on dicts of its own:
+    without a reader, or with one that does not tell a changed dict or another dict by its tag, every caller
+    walks the values instead (`SameValues`)."""
+    read = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "dict_version", None)
+    if read is None:
+        return None
+    try:
+        mine, twin, kept = {0: 0}, {0: 0}, object()
+        first = read(mine)
+        mine[0] = kept
+        replaced = read(mine)
+        mine[0] = kept  # (the same object again: nothing changed)
+        if read(mine) != replaced or len({first, replaced, read(twin), read({**twin})}) != 4:
+            return None
+    except Exception:  # noqa: BLE001 (a private reader that fails in any way is no reader)
+        return None
+    return read
+
+
+DICT_TAG = _dict_tag_reader()
+
+
+def dict_tags(dicts: Iterable) -> tuple | None:
+    """Each dict's version tag, in order (see above), or None where tags cannot stand for the dicts: no reader
+    (`_dict_tag_reader`), or one of them not exactly a ``dict`` (an ``OrderedDict`` reorders its keys without a
+    new tag; a subclass may keep its values elsewhere). Eager code only (dynamo cannot trace the reader)."""
+    dicts = tuple(dicts)
+    if DICT_TAG is None or not all(map(operator.is_, map(type, dicts), itertools.repeat(dict))):
+        return None
+    return tuple(map(DICT_TAG, dicts))
+
+
+class SameValues:
+    """Whether dicts hold, value after value, the very objects they held when this was made, without keeping
+    those alive.
+
+    In the usual step the dicts are the very ones last checked, unchanged: their version tags say so, one read
+    per dict (`dict_tags`). Otherwise the values are compared by identity (`SameObjects`: one id per value, read
+    from C), and where they pass, the dicts' tags stand for them from then on. (Tags say nothing of what
+    happened to the objects themselves: a tensor's storage swapped under it (``t.data = other``, ``t.set_``)
+    keeps its identity; a caller that cares reads what it needs of them, e.g. their addresses.)"""
+
+    __slots__ = ("objects", "tags")
+
+    def __init__(self, dicts: Sequence[dict]) -> None:
+        self.objects = SameObjects(values_of(dicts))
+        self.tags = dict_tags(dicts)
+
+    def __call__(self, dicts: Sequence[dict]) -> bool:
+        tags = dict_tags(dicts)
+        if tags is not None and tags == self.tags:
+            return True
+        if not self.objects(values_of(dicts)):
+            return False
+        self.tags = tags
+        return True
+
+
+class VersionBases:
+    """The tensors whose version counters are a list of tensors' counters: a view shares its base's counter (an
+    in-place write into any view of a buffer moves the buffer's version, and every view's), any other tensor
+    has its own. Where the tensors are views of a few buffers (`shard`'s per-key views of each unit's flat
+    buffer), the few bases' versions say whether any of the tensors was written in place: one read per buffer
+    where a walk reads one per tensor.
+
+    Holds every tensor and base weakly. A view keeps its base's counter for good: ``t.data = other`` and
+    ``t.set_(...)`` keep it, and the one call that gives a tensor another counter,
+    `torch.utils.swap_tensors`, refuses a tensor with a weak reference (the views are held weakly for that).
+    Reading `versions` needs the tensors alive (their bases are then too): a caller reads it only where it
+    knows them alive (in a dict it found unchanged, `dict_tags`). Eager code only."""
+
+    __slots__ = ("bases", "views")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        bases = [t if t._base is None else t._base for t in tensors]
+        self.bases = [weakref.ref(b) for b in {id(b): b for b in bases}.values()]
+        self.views = [weakref.ref(t) for t, b in zip(tensors, bases) if b is not t]
+
+    def versions(self) -> list[int]:
+        """Each base's version, in order."""
+        return list(map(version_of, map(_dereference, self.bases)))
+
+
+def values_of(dicts: Iterable[dict]) -> Iterable:
+    """Every dict's values, dict after dict, in one iterator."""
+    return itertools.chain.from_iterable(map(dict.values, dicts))
 
 
 def values_in_order(d: dict, keys) -> Iterable:
