@@ -25,12 +25,16 @@ import bisect
 import itertools
 import operator
 
+import numpy
 import torch
 
 from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
 from zfunc.tree import (
     SameObjects,
+    SameValues,
+    values_of,
     data_ptr_of,
+    dict_tags,
     device_index_of,
     dtype_of,
     is_contiguous_of,
@@ -40,38 +44,59 @@ from zfunc.tree import (
 )
 
 
+# Addresses below this are compared in numpy's int64 (`DevicePlan._all_outside_state`): a run's end (start plus
+# its bytes) then cannot overflow. Every address a CPU or CUDA allocator hands out is far below it.
+_NUMPY_ADDRESSES = 2**62
+
+
 class _Held:
     """What a plan expects of the state (params, moments, compute copy: every operand's tensors, key by key, in
     one list): the tensors it was built from (weakly), their addresses, dtypes and sizes.
 
-    The usual step is given the very tensors, where they were: found from C in two passes over the list,
-    by identity (`zfunc.tree.SameObjects`: ids, trusted while every held tensor lives) and address.
-    Otherwise the tensors are compared one by one (`still_at`)."""
+    The usual step is given the very dicts of the step before, unchanged, holding the very tensors, where they
+    were: found by the dicts' version tags (`zfunc.tree.SameValues`: one read per dict) and the tensors'
+    addresses (one read per tensor, from C: a tensor keeps its identity when its storage is swapped under it,
+    ``t.data = other``, ``t.set_(...)``, and the kernel writes to the addresses). Other dicts of the very
+    tensors are found by the tensors' ids (`zfunc.tree.SameObjects`, trusted while every held tensor lives),
+    after which their tags stand for them. Otherwise the tensors are compared one by one (`still_at`)."""
 
-    __slots__ = ("dtypes", "misses", "numels", "plain", "ptrs", "same_objects")
+    __slots__ = ("dtypes", "misses", "numels", "plain", "ptrs", "same_values")
 
-    def __init__(self, tensors: list) -> None:
+    def __init__(self, operands: tuple, keys: tuple) -> None:
+        tensors = _in_order(operands, keys)
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
         self.misses = 0  # steps in a row given other tensors than those held (`DevicePlan.grad_addresses`)
-        self.rearm(tensors)
+        self.rearm(operands, keys, tensors)
 
-    def rearm(self, tensors: list) -> None:
-        """Hold ``tensors``: at build, and later ones `still_at` found where the held ones were (the same
-        addresses; the dtypes and sizes stay those the plan was built with), so that the steps after find
-        them from C."""
-        self.same_objects = SameObjects(tensors)
+    def rearm(self, operands: tuple, keys: tuple, tensors: list) -> None:
+        """Hold ``tensors`` (``operands``' values, key by key): at build, and later ones `still_at` found where
+        the held ones were (the same addresses; the dtypes and sizes stay those the plan was built with), so
+        that the steps after find them from C."""
+        self.same_values = _same_values(operands, keys, tensors)
         self.ptrs = tuple(t.data_ptr() for t in tensors)
         self.plain = read_in_c(tensors)  # (the same objects later: their addresses read by ``map`` too)
 
     @property
     def refs(self) -> list:
-        return self.same_objects.refs
+        return self.same_values.objects.refs
 
-    def same(self, tensors: list) -> bool:
-        """Whether ``tensors`` are the very tensors held, each at its address (the usual step, from C)."""
-        return self.same_objects(tensors) and (tuple(map(data_ptr_of, tensors)) if self.plain
-                                               else tuple(t.data_ptr() for t in tensors)) == self.ptrs
+    def same(self, operands: tuple, keys: tuple) -> bool:
+        """Whether ``operands`` hold, key by key, the very tensors held, each at its address (the usual step,
+        from C). Raises KeyError where an operand lacks a key."""
+        same_values = self.same_values
+        if same_values.tags is not None and dict_tags(operands) == same_values.tags:
+            tensors = values_of(operands)  # (the dicts checked before, unchanged: keyed in order)
+        elif _keyed_in_order(operands, keys):
+            if not same_values(operands):
+                return False
+            tensors = values_of(operands)
+        else:
+            tensors = _in_order(operands, keys)
+            if not same_values.objects(tensors):
+                return False
+        ptrs = tuple(map(data_ptr_of, tensors)) if self.plain else tuple(t.data_ptr() for t in tensors)
+        return ptrs == self.ptrs
 
     def still_at(self, tensors: list, device_index: int) -> bool:
         """Whether ``tensors`` are, one by one, the tensor held at its address, or one of its dtype and size,
@@ -86,6 +111,22 @@ class _Held:
                                                    or t.get_device() != device_index or not t.is_contiguous())):
                 return False
         return True
+
+
+def _same_values(operands: tuple, keys: tuple, tensors: list) -> SameValues:
+    """`SameValues` of ``operands``, whose values key by key are ``tensors``; where an operand is not keyed in
+    ``keys``' order its values are another list than ``tensors``: the ids are held, the tags not."""
+    same = SameValues(operands)
+    if not _keyed_in_order(operands, keys):
+        same.objects, same.tags = SameObjects(tensors), None
+    return same
+
+
+def _keyed_in_order(operands: tuple, keys: tuple) -> bool:
+    """Whether every operand is a plain dict keyed by exactly ``keys``, in their order (its values then are key
+    by key; an ``OrderedDict`` keeps its order apart from its values)."""
+    n = len(keys)
+    return all(type(d) is dict and len(d) == n and tuple(d) == keys for d in operands)
 
 
 def _in_order(operands: tuple | list, keys: tuple) -> list:
@@ -141,9 +182,14 @@ class DevicePlan:
         self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
         self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
         self._ends = [b for _, b in state_spans]
-        # (padded so that the check from C needs no bounds test: the end before the first buffer, the start
-        # after the last)
-        self._ends_after, self._starts_at = [-1, *self._ends], [*self._starts, float("inf")]
+        # The same as numpy arrays, for `_all_outside_state`, padded so that it needs no bounds test: the end
+        # before the first buffer, the start after the last (None: addresses too large for them).
+        self._np_starts = self._np_ends_after = self._np_starts_at = self._np_run_bytes = None
+        if max(self._ends, default=0) < _NUMPY_ADDRESSES:
+            self._np_starts = numpy.array(self._starts, dtype=numpy.int64)
+            self._np_ends_after = numpy.array([-1, *self._ends], dtype=numpy.int64)
+            self._np_starts_at = numpy.array([*self._starts, _NUMPY_ADDRESSES], dtype=numpy.int64)
+            self._np_run_bytes = numpy.array(self._run_bytes, dtype=numpy.int64)
 
     @classmethod
     def build(cls, runs: list[list[str]], decays: dict[str, float], params: dict, grads: dict, mu: dict, nu: dict,
@@ -177,7 +223,7 @@ class DevicePlan:
             return None  # state buffers sharing memory: adam_flat_ refuses them, the general path says so
         table = AdamRuns.build(bases, segments, lengths, device, out_dtype=out_dtype)
         keys = tuple(params)
-        held = _Held(_in_order(operands, keys))
+        held = _Held(tuple(operands), keys)
         return cls(keys, device, out_dtype, grad_dtype, table, held, grad_runs, spans)
 
     def grad_addresses(self, params: dict, grads: dict, mu: dict, nu: dict, into: dict | None) -> list[int] | None:
@@ -186,22 +232,23 @@ class DevicePlan:
         keys = self.keys
         if len(params) != len(keys) or len(grads) != len(keys) or (into is None) != (self.out_dtype is None):
             return None
+        operands = (params, mu, nu) if into is None else (params, mu, nu, into)
+        held = self._held
         try:
-            tensors = _in_order((params, mu, nu) if into is None else (params, mu, nu, into), keys)
+            if held.same(operands, keys):
+                held.misses = 0
+            else:
+                tensors = _in_order(operands, keys)
+                if not held.still_at(tensors, self._device_index):
+                    return None
+                # Held from now on, so that the steps after find them from C; but where every step hands new
+                # tensors (which is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th,
+                # ... such step in a row, not made into weak references at each.
+                held.misses += 1
+                if not held.misses & (held.misses - 1):
+                    held.rearm(operands, keys, tensors)
         except KeyError:
             return None
-        held = self._held
-        if not held.same(tensors):
-            if not held.still_at(tensors, self._device_index):
-                return None
-            # Held from now on, so that the steps after find them from C; but where every step hands new tensors
-            # (which is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th, ... such step
-            # in a row, not made into weak references at each.
-            held.misses += 1
-            if not held.misses & (held.misses - 1):
-                held.rearm(tensors)
-        else:
-            held.misses = 0
         try:
             return self._grads_at(grads)
         except KeyError:
@@ -224,11 +271,8 @@ class DevicePlan:
                     or set(map(dtype_of, gs)) != {dtype} or not all(map(is_contiguous_of, gs))
                     or set(map(device_index_of, gs)) != {device_index}):
                 return None
-            if starts != self._outside_at:  # `_outside_state` for every run at once
-                ends = list(map(operator.add, starts, self._run_bytes))
-                at = list(map(bisect.bisect_right, itertools.repeat(self._starts), starts))
-                if (any(map(operator.gt, map(self._ends_after.__getitem__, at), starts))
-                        or any(map(operator.lt, map(self._starts_at.__getitem__, at), ends))):
+            if starts != self._outside_at:
+                if not self._all_outside_state(starts):
                     return None
                 self._outside_at = starts
             return list(starts)
@@ -248,6 +292,17 @@ class DevicePlan:
                 return None
             ptrs.append(base)
         return ptrs
+
+    def _all_outside_state(self, starts: tuple) -> bool:
+        """`_outside_state` of every run at once (``starts``: each run's first address), in a few numpy passes
+        (on a GPU the gradients land elsewhere at every step, so this runs at every step): the state's buffer
+        before each start (found in their sorted starts) must end at or before it, the next one begin at or
+        after its run's end."""
+        if self._np_starts is None or max(starts) >= _NUMPY_ADDRESSES:  # (beyond numpy's int64: run by run)
+            return all(map(self._outside_state, starts, map(operator.add, starts, self._run_bytes)))
+        s = numpy.array(starts, dtype=numpy.int64)
+        at = self._np_starts.searchsorted(s, "right")
+        return not ((self._np_ends_after[at] > s).any() or (self._np_starts_at[at] < s + self._np_run_bytes).any())
 
     def _outside_state(self, start: int, end: int) -> bool:
         """Whether bytes [start, end) overlap none of the state's buffers: a gradient is read-only, but never in
