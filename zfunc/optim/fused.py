@@ -313,9 +313,11 @@ def _build_plan(spec, params, grads, mu, nu, compute_dtype, into) -> DevicePlan 
 
 
 def _keyed_like(d: dict, like: dict) -> dict:
-    """``{k: d[k] for k in like}`` (a copy of ``d`` as it is where it is keyed in ``like``'s order already, as
-    the compute copy a stack asks for is: no lookup per key)."""
-    return {**d} if len(d) == len(like) and tuple(d) == tuple(like) else dict(zip(like, map(d.__getitem__, like)))
+    """``{k: d[k] for k in like}``: ``d`` itself where it is keyed in ``like``'s order already, as the compute copy
+    a stack asks for is (the dict the stack handed over, its tensors written in place: the stack finds it
+    unchanged by its version tag, `zfunc.optim.fused_plan`), else a dict made so."""
+    return d if type(d) is dict and len(d) == len(like) and tuple(d) == tuple(like) \
+        else dict(zip(like, map(d.__getitem__, like)))
 
 
 def on_host(t: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ import torch
 
 from zfunc.compiled import all_true, cached_property, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
-from zfunc.tree import SameObjects, register_pytree_node, shape_of
+from zfunc.tree import SameValues, register_pytree_node, shape_of
 
 ROOT = ""
 
@@ -281,27 +281,28 @@ class UnitLayout:
 class StateViews:
     """Stages 1/2, eager: each unit's flat buffer of one state and this rank's shard views of them, found once
     (`zfunc.transforms.shard.shard._flats_and_shards`) and reused while ``state.params`` holds the very
-    tensors they were found from.
+    tensors they were found from (`zfunc.tree.SameValues`: the very dict of the step before, unchanged, by its
+    version tag; another dict of the same tensors by their ids).
 
     Derived data kept with the layout (`ShardLayout.state_views`), not configuration: one state at a time,
     dropped when that state's first parameter is freed (a state its user let go is not kept alive by its
     views), and left out of copies and pickles (a copy of a state finds its own)."""
 
     def __init__(self) -> None:
-        self._entry: tuple[SameObjects, dict, dict] | None = None
+        self._entry: tuple[SameValues, dict, dict] | None = None
 
     def get(self, params: dict) -> tuple[dict, dict] | None:
         entry = self._entry  # (read once: another thread may put its own state's)
-        if entry is None or not entry[0](params.values()):
+        if entry is None or not entry[0]((params,)):
             return None
         return entry[1], entry[2]
 
     def put(self, params: dict, flats: dict, shards: dict) -> None:
-        same = SameObjects(params.values())
+        same = SameValues((params,))
         self._entry = (same, flats, shards)
         weakref.finalize(next(iter(params.values())), self._drop, same)
 
-    def _drop(self, same: SameObjects) -> None:
+    def _drop(self, same: SameValues) -> None:
         if self._entry is not None and self._entry[0] is same:
             self._entry = None
 
