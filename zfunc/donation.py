@@ -15,7 +15,7 @@ knows nothing of transforms.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -68,11 +68,17 @@ class Pending:
 class CopiesStamp(NamedTuple):
     """The tensors a stack keeps consistent with each other (`zfunc.interpret.check_copies`), as a step left them:
     each transform's key of them (with its class: ``(owner, key)``, ``owner.copy_names(key)`` names them), and
-    their identities and versions, in order. Holds no tensor."""
+    their identities and versions, in order. Where some dicts hold exactly those tensors: ``tags``, their version
+    tags (`zfunc.tree.dict_tags`, with each owner), ``bases``, the tensors whose versions are theirs
+    (`zfunc.tree.VersionBases`), and ``base_versions``, those versions, read with ``versions``; else None.
+    Holds no tensor (weak references only)."""
 
     keys: tuple
     ids: list[int]
     versions: list[int]
+    tags: tuple | None = None
+    bases: Any = None
+    base_versions: list[int] | None = None
 
 
 class Donation:
