@@ -15,6 +15,7 @@ import math
 import operator
 from typing import Sequence
 
+import numpy
 import torch
 
 __all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamRuns", "AdamSegments", "all_16_byte_aligned",
@@ -295,10 +296,11 @@ class AdamRuns:
         if cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("AdamRuns.set_grads while a CUDA graph is being captured: set the gradients' "
                                "addresses before the capture and before each replay")
-        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
-        self.grads.copy_(host, non_blocking=cuda)
+        # (Through numpy, which reads a list of ints into an array from C several times faster than torch.tensor.)
+        host = numpy.array(ptrs, dtype=numpy.int64)
+        self.grads.copy_(torch.from_numpy(host).pin_memory() if cuda else torch.from_numpy(host), non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
-        self.grads_aligned = all_16_byte_aligned(ptrs)  # (here, once per new addresses, not per launch)
+        self.grads_aligned = not (host & 15).any()  # (all_16_byte_aligned, here: once per new addresses)
 
 
 def all_16_byte_aligned(ptrs) -> bool:

@@ -278,7 +278,9 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
     if grad_dtype not in _GRAD_KINDS:
         raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
     device = runs.device
-    resolve_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
+    interp = _interpreting()
+    if _triton() is None or (device.type != "cuda" and not interp):
+        resolve_backend("triton", device)  # raises: Triton cannot run here (no triton; no CUDA, no interpreter)
     if grad_ptrs is not None:
         runs.set_grads(grad_ptrs)
     grad_ptrs = runs.grad_ptrs
@@ -288,7 +290,6 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
         found_inf = found_inf.view(torch.uint8)  # (a view: no launch)
     from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
 
-    interp = _interpreting()
     k = kernels(interp)
     block = int(TRITON_CONFIG["adam_block"])
     with _launch(device):
