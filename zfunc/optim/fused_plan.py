@@ -204,6 +204,10 @@ class DevicePlan:
                or (into is not None and into[k].device != device) for run in runs for k in run):
             return None
         operands = [params, mu, nu] + ([into] if into is not None else [])
+        # The runs in the params' key order (the kernel takes them in any): each step then reads the gradients of
+        # one-key runs (each a tensor of its own, at one rank) as the grads dict holds them, without a lookup.
+        position = {k: i for i, k in enumerate(params)}
+        runs = sorted(runs, key=lambda run: position[run[0]])
         bases, segments, lengths, grad_runs, spans = [], [], [], [], []
         for run in runs:
             offset, segs, members = 0, [], []

@@ -359,10 +359,13 @@ class ShardLayout:
         return frozenset(k for u in self.units for k in u.keys)
 
     def reshaped(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape."""
-        out: dict[str, torch.Tensor] = {}
+        """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape, keyed
+        in ``shards``' order (``shards`` holds exactly the layout's keys), so that what is differentiated, and its
+        gradients, are keyed as the state is (the update reads them in that order: `zfunc.optim.fused_plan`)."""
+        out = {**shards}  # (the 1-D ones as they are; an update of a key keeps its place)
         for unit in self.units:
-            out.update(unit.reshaped(shards))
+            keys, shapes = unit._shaped
+            out.update(zip(keys, map(torch.Tensor.view, map(shards.__getitem__, keys), shapes)))
         return out
 
     def to_json(self) -> dict[str, Any]:
