@@ -37,7 +37,7 @@ import torch
 from zfunc.compiled import init_fields, replaced, tracing
 from zfunc.donation import Donation, check_laid_out_by
 from zfunc.primitives import UpdateRequest, Updated, dispatch
-from zfunc.step_context import current
+from zfunc.step_context import count_increment, current
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.flat import flat_adam_update
 from zfunc.optim.fused import fused_update
@@ -134,7 +134,7 @@ def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], req
     if copy is None and request.compute_dtype is not None:
         copy = {k: v.to(request.compute_dtype) for k, v in params.items()}
     skip = ctx.skip if ctx is not None else None
-    step = state.step + 1 if skip is None else state.step + (~skip).to(state.step.dtype)
+    step = state.step + 1 if skip is None else state.step + count_increment(skip, state.step.dtype)
     return Updated(state.replace(step=step, params=params, opt_state=opt_state), copy)
 
 

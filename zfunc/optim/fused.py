@@ -43,8 +43,9 @@ from zfunc.optim.fused_plan import DevicePlan
 from zfunc.optim.spans import contiguous_runs, find_runs, laid_out_like, span_of
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
 from zfunc.optim.update_graph import graphed_update
+from zfunc.step_context import count_increment
 from zfunc.tiers.placement import page_out
-from zfunc.tree import still_the_same, weak_refs
+from zfunc.tree import keyed_alike, still_the_same, weak_refs
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,7 +103,7 @@ class AdamSpec:
         device) is set, the counts and rate stay."""
         adam, rate = self.adam_state(opt_state), self.lr_state(opt_state)
         if skip is not None:
-            one = (~skip).to(adam.count.dtype)
+            one = count_increment(skip, adam.count.dtype)
             lr = torch.where(skip, rate.learning_rate, lr)
         else:
             one = 1
@@ -193,8 +194,8 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
     """
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
-    if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
-            and isinstance(mu, dict) and mu.keys() == params.keys()):
+    if not (isinstance(params, dict) and isinstance(grads, dict) and keyed_alike(params, grads)
+            and isinstance(mu, dict) and keyed_alike(mu, params)):
         return None
     planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into)
     if planned is None and not fusable(params, grads, mu, nu):
