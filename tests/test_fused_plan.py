@@ -460,3 +460,27 @@ def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, m
     assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1 and device_path["runs"] == 9
     fused.fused_update(spec, params, grads, opt_state)  # (the tensors held at the 8th)
     assert plan._held.misses == 0 and len(rearms) == 4
+
+
+def test_gradients_outside_the_state_found_for_all_runs_at_once_as_run_by_run():
+    """`DevicePlan._all_outside_state` (three numpy searches, at every step on a GPU) says what `_outside_state`
+    says run by run: random buffers and runs, and runs that touch a buffer's either end or begin inside one."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        spans, at = [], rng.randrange(1, 1000)
+        for _ in range(rng.randrange(0, 12)):
+            at += rng.randrange(0, 64)  # (0: abutting the buffer before)
+            spans.append((at, at + rng.randrange(1, 64)))
+            at = spans[-1][1]
+        lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))]  # bf16 elements per run
+        grad_runs = [(f"k{i}", ((f"k{i}", 0, n),)) for i, n in enumerate(lengths)]
+        plan = fused_plan.DevicePlan((), torch.device("cpu"), None, torch.bfloat16, None, None, grad_runs, spans)
+        edges = [a for span in spans for a in span] or [0]
+        for _ in range(20):
+            starts = tuple(rng.choice([rng.randrange(0, at + 100), rng.choice(edges), rng.choice(edges) - 2 * n])
+                           for n in lengths)
+            starts = tuple(max(s, 0) for s in starts)
+            want = all(plan._outside_state(s, s + 2 * n) for s, n in zip(starts, lengths))
+            assert plan._all_outside_state(starts) == want, (spans, starts, lengths)

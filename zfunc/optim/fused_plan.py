@@ -182,14 +182,13 @@ class DevicePlan:
         self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
         self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
         self._ends = [b for _, b in state_spans]
-        # The same as numpy arrays, for `_all_outside_state`, padded so that it needs no bounds test: the end
-        # before the first buffer, the start after the last (None: addresses too large for them).
-        self._np_starts = self._np_ends_after = self._np_starts_at = self._np_run_bytes = None
+        # The same as numpy arrays, for `_all_outside_state` (None: addresses too large for them), and each run's
+        # last byte's offset from its first.
+        self._np_starts = self._np_ends = self._np_last_bytes = None
         if max(self._ends, default=0) < _NUMPY_ADDRESSES:
             self._np_starts = numpy.array(self._starts, dtype=numpy.int64)
-            self._np_ends_after = numpy.array([-1, *self._ends], dtype=numpy.int64)
-            self._np_starts_at = numpy.array([*self._starts, _NUMPY_ADDRESSES], dtype=numpy.int64)
-            self._np_run_bytes = numpy.array(self._run_bytes, dtype=numpy.int64)
+            self._np_ends = numpy.array(self._ends, dtype=numpy.int64)
+            self._np_last_bytes = numpy.array(self._run_bytes, dtype=numpy.int64) - 1
 
     @classmethod
     def build(cls, runs: list[list[str]], decays: dict[str, float], params: dict, grads: dict, mu: dict, nu: dict,
@@ -298,15 +297,17 @@ class DevicePlan:
         return ptrs
 
     def _all_outside_state(self, starts: tuple) -> bool:
-        """`_outside_state` of every run at once (``starts``: each run's first address), in a few numpy passes
-        (on a GPU the gradients land elsewhere at every step, so this runs at every step): the state's buffer
-        before each start (found in their sorted starts) must end at or before it, the next one begin at or
-        after its run's end."""
+        """`_outside_state` of every run at once (``starts``: each run's first address), in three numpy searches
+        (on a GPU the gradients land elsewhere at every step, so this runs at every step). The state's buffers
+        are sorted and disjoint, so a run's first byte lies between buffers where as many buffers begin as end at
+        or before it, and the run stays there where no buffer begins at or before its last byte that did not
+        begin at or before its first."""
         if self._np_starts is None or max(starts) >= _NUMPY_ADDRESSES:  # (beyond numpy's int64: run by run)
             return all(map(self._outside_state, starts, map(operator.add, starts, self._run_bytes)))
         s = numpy.array(starts, dtype=numpy.int64)
-        at = self._np_starts.searchsorted(s, "right")
-        return not ((self._np_ends_after[at] > s).any() or (self._np_starts_at[at] < s + self._np_run_bytes).any())
+        begun = self._np_starts.searchsorted(s, "right").tobytes()  # (compared as bytes: no ufunc, no reduction)
+        return (self._np_ends.searchsorted(s, "right").tobytes() == begun
+                and self._np_starts.searchsorted(s + self._np_last_bytes, "right").tobytes() == begun)
 
     def _outside_state(self, start: int, end: int) -> bool:
         """Whether bytes [start, end) overlap none of the state's buffers: a gradient is read-only, but never in
