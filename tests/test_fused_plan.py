@@ -476,7 +476,7 @@ def test_gradients_outside_the_state_found_for_all_runs_at_once_as_run_by_run():
             at = spans[-1][1]
         lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))]  # bf16 elements per run
         grad_runs = [(f"k{i}", ((f"k{i}", 0, n),)) for i, n in enumerate(lengths)]
-        plan = fused_plan.DevicePlan((), torch.device("cpu"), None, torch.bfloat16, None, None, grad_runs, spans)
+        plan = fused_plan.DevicePlan((), (), torch.device("cpu"), None, torch.bfloat16, None, None, grad_runs, spans)
         edges = [a for span in spans for a in span] or [0]
         for _ in range(20):
             starts = tuple(rng.choice([rng.randrange(0, at + 100), rng.choice(edges), rng.choice(edges) - 2 * n])

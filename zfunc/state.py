@@ -128,7 +128,7 @@ def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], req
     ctx = current()
     if ctx is None:
         check_laid_out_by(state, set(), "a plain step (no transforms)")
-    check_grads_match(state.params, grads)
+    # (The gradients' shapes are checked by the update, first: `plain_update_params`.)
     params, opt_state, copy = dispatch("update_params", plain_update_params, state.tx, state.params, grads,
                                        state.opt_state, request)
     if copy is None and request.compute_dtype is not None:
@@ -150,14 +150,21 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     as torch operations once per flat run the request names
     (`zfunc.optim.flat.flat_adam_update`). Otherwise, and for every other
     optimizer, the pure update (`pure_update`).
+
+    First of all, gradients not shaped as the params are refused (`check_grads_match`); the fused update makes
+    that check itself, or finds it made by what its plan reads of the gradients anyway.
     """
     ctx = current()
     skip = ctx.skip if ctx is not None else None  # skip the update on the device (see `plain_apply_gradients`)
     landing = request.grads_landing  # (gradients still landing in host memory: `UpdateRequest`)
-    if ctx is not None and ctx.facts.fused_update and tx.fused is not None:
+    fused = ctx is not None and ctx.facts.fused_update and tx.fused is not None
+    if not (fused and not tracing()):
+        check_grads_match(params, grads)
+    if fused:
         if not tracing():
             done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
-                                request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing)
+                                request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing,
+                                check_grads=check_grads_match)
         elif request.flat_runs is not None:
             # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
             # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).

@@ -164,7 +164,8 @@ def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
 
 def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
                  compute_into: dict | None = None, host_threads: int | None = None,
-                 skip: torch.Tensor | None = None, skip_ready=None, landing=None):
+                 skip: torch.Tensor | None = None, skip_ready=None, landing=None,
+                 check_grads: Callable[[dict, dict], None] | None = None):
     """One Adam/AdamW update through the fused kernels, in place; None if they cannot take these tensors.
 
     Computes what ``tx.update`` and ``apply_updates`` compute (see the module
@@ -189,15 +190,26 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         after all the work queued since (the update then starts while the GPU still runs backward).
       landing: host gradients that may still be landing from the GPU (`zfunc.tiers.landing.HostLanding`): each
         is waited for just before it is read; the streamed runs are taken in the order their gradients land.
+      check_grads: ``check_grads(params, grads)`` raises where the gradients are not shaped as the params
+        (`zfunc.state.check_grads_match`). Called first, before anything else, except where the plan of the last
+        step finds the gradients laid out as it expects, shapes included (`DevicePlan.gradients_at`): it reads
+        them anyway, and the check would read them again.
     Returns:
       ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
     """
+    plan = spec.tables.get(_PLAN)
+    found = None  # (the plan, the gradients' addresses) where its `gradients_at` passed
+    if isinstance(plan, DevicePlan) and isinstance(params, dict) and isinstance(grads, dict):
+        ptrs = plan.gradients_at(params, grads)
+        found = None if ptrs is None else (plan, ptrs)
+    if found is None and check_grads is not None:
+        check_grads(params, grads)
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
     if not (isinstance(params, dict) and isinstance(grads, dict) and keyed_alike(params, grads)
             and isinstance(mu, dict) and keyed_alike(mu, params)):
         return None
-    planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into)
+    planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into, found)
     if planned is None and not fusable(params, grads, mu, nu):
         return None
     norm = None
@@ -265,22 +277,23 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
 _PLAN = "device plan"  # spec.tables' entry: the DevicePlan of the last state, or _NOT_PLANNED
 
 
-def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, compute_dtype, into: dict | None):
+def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, compute_dtype, into: dict | None,
+                 found: tuple | None):
     """``(plan, gradient addresses)`` where the whole update is one launch of the GPU kernel
     (`zfunc.optim.fused_plan`): every nonempty parameter's state on one GPU (not `on_host`), the
     Triton backend there, a compute copy (if asked for) of bf16/fp16 written into ``into`` on that
     device, the gradients of one dtype. Else None: the general path.
 
-    The plan of the last step is reused while the tensors are laid out as it expects; otherwise it is
-    built again (and where no plan can be made for these parameters, that is remembered for as long as
-    they are the same tensors, so the general path pays one identity check per key for asking)."""
+    The plan of the last step is reused while the tensors are laid out as it expects (``found``: the plan and
+    the gradients' addresses, where its `DevicePlan.gradients_at` passed; what is left is its `state_at`);
+    otherwise it is built again (and where no plan can be made for these parameters, that is remembered for as
+    long as they are the same tensors, so the general path pays one identity check per key for asking)."""
     plan = spec.tables.get(_PLAN)
     into = into if compute_dtype is not None else None
     if isinstance(plan, DevicePlan):
-        if plan.out_dtype == compute_dtype:
-            ptrs = plan.grad_addresses(params, grads, mu, nu, into)
-            if ptrs is not None:
-                return plan, ptrs
+        if found is not None and found[0] is plan and plan.out_dtype == compute_dtype \
+                and plan.state_at(params, mu, nu, into):
+            return found
     elif plan is not None and still_the_same(plan, params.values()):
         return None  # these very parameters could not be planned
     plan = _build_plan(spec, params, grads, mu, nu, compute_dtype, into)

@@ -38,8 +38,8 @@ from zfunc.tree import (
     device_index_of,
     dtype_of,
     is_contiguous_of,
-    numel_of,
     read_in_c,
+    shape_of,
     values_in_order,
 )
 
@@ -155,17 +155,19 @@ class DevicePlan:
       table: the kernel's table of runs (`AdamRuns`).
     """
 
-    def __init__(self, keys, device, out_dtype, grad_dtype, table, held, grad_runs, state_spans) -> None:
+    def __init__(self, keys, shapes, device, out_dtype, grad_dtype, table, held, grad_runs, state_spans) -> None:
         self.keys, self.device, self.out_dtype, self.grad_dtype, self.table = keys, device, out_dtype, grad_dtype, table
+        self._shapes = list(shapes)  # each key's parameter's shape (torch.Size), key by key: the gradients' too
         self._held = held  # the state operands' tensors (params, mu, nu[, into]), key by key, in one list
         self._device_index = device.index if device.type == "cuda" else -1  # (Tensor.get_device's number)
         self._grad_runs = grad_runs  # per run: its first key and ((key, byte offset, numel), ...)
-        # The same, flat over every run's members in order, for the check made from C (`_grads_at`): each
-        # member's key, byte offset in its run, numel, and the position of its run's first member.
+        # The same, flat over every run's members in order, for the check made from C (`gradients_at`): each
+        # member's key, byte offset in its run, and the position of its run's first member. (Where they are all
+        # the keys, in order, as at one rank, the gradients read for their shapes are the members.)
         members = [member for _, run in grad_runs for member in run]
         self._member_keys = tuple(k for k, _, _ in members)
+        self._members_are_keys = self._member_keys == tuple(keys)
         self._member_offsets = [offset for _, offset, _ in members]
-        self._member_numels = [n for _, _, n in members]
         heads, firsts = [], []
         for _, run in grad_runs:
             firsts.append(len(heads))
@@ -174,7 +176,7 @@ class DevicePlan:
         # Every run of one member (each gradient a tensor of its own, as autograd makes them at one rank): its
         # address is its run's, nothing to compare within a run.
         self._one_per_run = len(heads) == len(firsts)
-        # The runs' gradient addresses last found outside the state's buffers (`_grads_at`): the state's buffers
+        # The runs' gradient addresses last found outside the state's buffers (`gradients_at`): the state's buffers
         # are the plan's, so addresses found so once stay so (the caching allocator hands the gradients the same
         # blocks step after step).
         self._outside_at: tuple | None = None
@@ -227,58 +229,77 @@ class DevicePlan:
         table = AdamRuns.build(bases, segments, lengths, device, out_dtype=out_dtype)
         keys = tuple(params)
         held = _Held(tuple(operands), keys)
-        return cls(keys, device, out_dtype, grad_dtype, table, held, grad_runs, spans)
+        return cls(keys, [params[k].shape for k in keys], device, out_dtype, grad_dtype, table, held, grad_runs, spans)
 
     def grad_addresses(self, params: dict, grads: dict, mu: dict, nu: dict, into: dict | None) -> list[int] | None:
-        """Each run's gradient address, if these tensors are laid out as the plan's (module docstring);
-        else None."""
+        """Each run's gradient address, if these tensors are laid out as the plan's (module docstring: `state_at`
+        and `gradients_at`); else None."""
+        return self.gradients_at(params, grads) if self.state_at(params, mu, nu, into) else None
+
+    def state_at(self, params: dict, mu: dict, nu: dict, into: dict | None) -> bool:
+        """Whether the state's operands hold, key by key, the tensors the plan was built from where they were, or
+        tensors of their dtypes and sizes at those addresses (`_Held`)."""
         keys = self.keys
-        if len(params) != len(keys) or len(grads) != len(keys) or (into is None) != (self.out_dtype is None):
-            return None
+        if len(params) != len(keys) or (into is None) != (self.out_dtype is None):
+            return False
         operands = (params, mu, nu) if into is None else (params, mu, nu, into)
         held = self._held
         try:
             if held.same(operands, keys):
                 held.misses = 0
-            else:
-                tensors = _in_order(operands, keys)
-                if not held.still_at(tensors, self._device_index):
-                    return None
-                # Held from now on, so that the steps after find them from C; but where every step hands new
-                # tensors (which is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th,
-                # ... such step in a row, not made into weak references at each.
-                held.misses += 1
-                if not held.misses & (held.misses - 1):
-                    held.rearm(operands, keys, tensors)
+                return True
+            tensors = _in_order(operands, keys)
         except KeyError:
+            return False
+        if not held.still_at(tensors, self._device_index):
+            return False
+        # Held from now on, so that the steps after find them from C; but where every step hands new tensors (which
+        # is compared one by one all the same), held again only at the 1st, 2nd, 4th, 8th, ... such step in a row,
+        # not made into weak references at each.
+        held.misses += 1
+        if not held.misses & (held.misses - 1):
+            held.rearm(operands, keys, tensors)
+        return True
+
+    def gradients_at(self, params: dict, grads: dict) -> list[int] | None:
+        """Each run's gradient address where ``grads`` are laid out as the plan expects (each gradient at its run's
+        address plus its offset, of the plan's dtype, contiguous, on its device, outside the state's buffers)
+        and shaped as ``params``, whose shapes are the plan's, key by key; else None. Reads only the shapes of
+        ``params``: a caller that needs the gradients shaped as the params (`zfunc.state.check_grads_match`)
+        need not compare them itself where this passes."""
+        keys = self.keys
+        if len(params) != len(keys) or len(grads) != len(keys):
             return None
         try:
-            return self._grads_at(grads)
+            ps, gs = list(values_in_order(params, keys)), list(values_in_order(grads, keys))
         except KeyError:
             return None
-
-    def _grads_at(self, grads: dict) -> list[int] | None:
-        dtype, device_index, item = self.grad_dtype, self._device_index, self._item
-        keys = self._member_keys
-        gs = list(values_in_order(grads, keys))
-        if read_in_c(gs):
-            # The loop below, made from C (this runs at every step, over every parameter): each gradient at its
-            # run's first address plus its offset, of its size and the plan's dtype, contiguous, on the device.
-            if self._one_per_run:
-                starts = bases = tuple(map(data_ptr_of, gs))
-            else:
-                bases = tuple(map(operator.sub, map(data_ptr_of, gs), self._member_offsets))
-                starts = self._first_of_run(bases)
-            if ((not self._one_per_run and bases != self._head_of_member(bases))
-                    or list(map(numel_of, gs)) != self._member_numels
-                    or set(map(dtype_of, gs)) != {dtype} or not all(map(is_contiguous_of, gs))
-                    or set(map(device_index_of, gs)) != {device_index}):
+        if not (read_in_c(ps) and read_in_c(gs)):
+            return self._gradients_one_by_one(ps, gs, grads)
+        # The loop of `_gradients_one_by_one`, made from C (this runs at every step, over every parameter).
+        if list(map(shape_of, ps)) != self._shapes or list(map(shape_of, gs)) != self._shapes:
+            return None
+        members = gs if self._members_are_keys else list(map(grads.__getitem__, self._member_keys))
+        if self._one_per_run:
+            starts = bases = tuple(map(data_ptr_of, members))
+        else:
+            bases = tuple(map(operator.sub, map(data_ptr_of, members), self._member_offsets))
+            starts = self._first_of_run(bases)
+        if ((not self._one_per_run and bases != self._head_of_member(bases))
+                or set(map(dtype_of, members)) != {self.grad_dtype} or not all(map(is_contiguous_of, members))
+                or set(map(device_index_of, members)) != {self._device_index}):
+            return None
+        if starts != self._outside_at:
+            if not self._all_outside_state(starts):
                 return None
-            if starts != self._outside_at:
-                if not self._all_outside_state(starts):
-                    return None
-                self._outside_at = starts
-            return list(starts)
+            self._outside_at = starts
+        return list(starts)
+
+    def _gradients_one_by_one(self, ps: list, gs: list, grads: dict) -> list[int] | None:
+        """`gradients_at` tensor by tensor, for tensors the getters may not read from C (`zfunc.tree.read_in_c`)."""
+        if not all(isinstance(t, torch.Tensor) and t.shape == shape for t, shape in zip(ps + gs, self._shapes * 2)):
+            return None
+        dtype, device_index, item = self.grad_dtype, self._device_index, self._item
         ptrs = []
         for first, members in self._grad_runs:
             head = grads[first]
