@@ -322,7 +322,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             torch._assert_async(~at_min, self.scaler.at_min_message())
             return self._applied(next, state, grads, request, mp, new_mp)
         message = self.scaler.at_min_message()
-        ctx.findings.append(Finding(at_min.to(torch.float32).reshape(1), lambda values, step: FloatingPointError(
+        ctx.findings.append(Finding(at_min.to(torch.float64).reshape(1), lambda values, step: FloatingPointError(
             f"{message} (at the step given the state with step={step}; its update was skipped)")))
         return self._applied(next, state, grads, request, mp, new_mp)
 
