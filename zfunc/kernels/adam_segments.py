@@ -300,7 +300,7 @@ class AdamRuns:
         host = numpy.array(ptrs, dtype=numpy.int64)
         self.grads.copy_(torch.from_numpy(host).pin_memory() if cuda else torch.from_numpy(host), non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
-        self.grads_aligned = not (host & 15).any()  # (all_16_byte_aligned, here: once per new addresses)
+        self.grads_aligned = all_16_byte_aligned(ptrs)  # (here, once per new addresses, not per launch)
 
 
 def all_16_byte_aligned(ptrs) -> bool:
