@@ -102,7 +102,16 @@ class TrainState:
             return dataclasses.replace(self, donation=donation, **changes)
         if "donation" in changes:
             raise TypeError("TrainState.replace: the donation record is not replaced")
-        return replaced(self, _FIELDS, {**changes, "donation": donation})
+        if tracing() or not _FIELD_NAMES.issuperset(changes):  # (an unknown field: refused as dataclasses refuses it)
+            return replaced(self, _FIELDS, {**changes, "donation": donation})
+        # Eagerly, the fields as they are with the changes over them: what ``__init__`` would do, without its one
+        # ``object.__setattr__`` per field of a frozen dataclass (a step replaces its state five times).
+        new = object.__new__(TrainState)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        fields["donation"] = donation
+        return new
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
@@ -227,3 +236,4 @@ def _unflatten(static, children) -> TrainState:
 
 register_pytree_node(TrainState, _flatten, _unflatten)
 _FIELDS = init_fields(TrainState)
+_FIELD_NAMES = frozenset(_FIELDS)

@@ -97,17 +97,18 @@ class AdamSpec:
     def lr_state(self, opt_state) -> ScaleByLearningRateState:
         return _at(opt_state, self.lr_path, ScaleByLearningRateState)
 
-    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor, skip: torch.Tensor | None = None):
+    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor, skip: torch.Tensor | None = None,
+                 count: torch.Tensor | None = None):
         """The optimizer state after one update whose new moments are ``mu``/``nu`` (exactly the
         state ``tx.update`` would return: counts + 1, the rate used); where ``skip`` (a 0-d bool on the
-        device) is set, the counts and rate stay."""
+        device) is set, the counts and rate stay. ``count``: the new Adam count, where the caller made it."""
         adam, rate = self.adam_state(opt_state), self.lr_state(opt_state)
         if skip is not None:
             one = count_increment(skip, adam.count.dtype)
             lr = torch.where(skip, rate.learning_rate, lr)
         else:
             one = 1
-        return self.with_counts(opt_state, mu, nu, adam.count + one, rate.count + one, lr)
+        return self.with_counts(opt_state, mu, nu, adam.count + one if count is None else count, rate.count + one, lr)
 
     def with_counts(self, opt_state, mu: dict, nu: dict, count: torch.Tensor, rate_count: torch.Tensor,
                     lr: torch.Tensor):
@@ -224,14 +225,17 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
             return params, new_state, copy
     lr = spec.schedule(spec.lr_state(opt_state).count)
-    step = adam.count + 1
     # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
     divisor = None if norm is None else 1.0 / (spec.clip / (norm + 1e-6)).clamp(max=1.0)
     if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
         plan, grad_ptrs = planned
-        plan.launch(spec, grad_ptrs, lr, step, divisor, skip)
+        # The new count is the kernel's step (this update's 1-based index): one more where the update runs, and
+        # where ``skip`` stops it the kernel reads nothing more than the flag. One addition for both.
+        count = adam.count + (1 if skip is None else count_increment(skip, adam.count.dtype))
+        plan.launch(spec, grad_ptrs, lr, count, divisor, skip)
         copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
-        return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
+        return params, spec.advanced(opt_state, mu, nu, lr, skip, count=count), copy
+    step = adam.count + 1
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
     copy = _compute_targets(params, grads, compute_dtype, compute_into, skip) if compute_dtype is not None else None

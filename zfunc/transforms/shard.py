@@ -75,7 +75,7 @@ from zfunc.transforms.shard_init import partition_meta_state, partition_state
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
 from zfunc.transforms.shard_units import Units
-from zfunc.tree import version_of
+from zfunc.tree import dict_tags, keyed_alike, version_of
 
 
 _NOT_IN_LAYOUT = ("shard: state.params are not in shard's flat layout (were they replaced, or moved between keys?); "
@@ -102,13 +102,14 @@ class _Call:
     """Per-call scratch of `shard`: the layout, the collectives and the unit machinery."""
 
     def __init__(self, layout: ShardLayout, comm: dist.Comm, units: Units | None,
-                 pipelined: StageUnits | None = None) -> None:
+                 pipelined: StageUnits | None = None, params_tags: tuple | None = None) -> None:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
         # While dynamo traces, at one rank: each unit's flat gradient and its keys' parts (views of it), handed to
         # the flat update (`_value_and_grad_of_flats`, `zfunc.primitives.UpdateRequest.flat_grads`).
         self.grad_flats: dict[str, tuple[torch.Tensor, dict]] = {}
+        self.params_tags = params_tags  # the tag of the params `start` found keyed as the layout (None: tracing)
 
 
 class shard(Transform):  # noqa: N801
@@ -253,8 +254,8 @@ class shard(Transform):  # noqa: N801
 
     def _param_shards(self, params: dict, layout: ShardLayout,
                       flats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's 1-D slices of the parameters (views, no copy), keyed in ``params``' order (as the master and
-        the moments are: the fused update then reads every operand's values as they are, `zfunc.optim.fused_plan`)."""
+        """This rank's 1-D slices of the parameters (views, no copy), keyed in ``params``' order (as the fused
+        update reads every operand, `zfunc.optim.fused_plan`)."""
         if layout.stage == 3:
             return {**params}
         if tracing():
@@ -268,9 +269,8 @@ class shard(Transform):  # noqa: N801
     def _flats_and_shards(self, params: dict, layout: ShardLayout) -> tuple[dict | None, dict]:
         """``(unit flats, this rank's shards)`` of the state whose params are ``params`` (stages 1/2: the flats
         and views `_full_flats` and `_param_shards` find, built once per state, `StateViews`; stage 3: None
-        and the params themselves). The shards are the same dict of the same views step after step, not a
-        copy (the caller changes neither): the fused update finds its targets where it left them, by the dict's
-        version tag and the views' addresses (`zfunc.optim.fused_plan`)."""
+        and the params themselves), not copies (the caller changes neither): the same dict of the same views
+        step after step, where the fused update finds them by the dict's tag (`zfunc.optim.fused_plan`)."""
         if self.stage == 3:
             return None, params
         if tracing():
@@ -298,11 +298,12 @@ class shard(Transform):  # noqa: N801
             dist.announce(group, f"a step of shard(stage={self.stage})")
         comm = (CompiledComm(group, ctx.facts.reduce_dtype) if tracing()
                 else dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype))
+        tags = None if tracing() else dict_tags((state.params,))  # (`_Call.params_tags`)
         if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
-            return _Call(layout, comm, None, StageUnits(layout, comm))
+            return _Call(layout, comm, None, StageUnits(layout, comm), tags)
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
                       verify=self.verify, host=self._host_group(ctx, group), who=self) if self.stage > 1 else None
-        return _Call(layout, comm, units)
+        return _Call(layout, comm, units, params_tags=tags)
 
     def _host_group(self, ctx, group: dist.Group) -> dist.Group | None:
         """Where ``verify`` compares the units each rank ran: a gloo group over the same ranks, made at the
@@ -518,7 +519,10 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
         keys = layout.keys
-        if not same_keys(grads, keys):
+        # (In order with the keys of the params `start` checked, where they are unchanged: a lookup per key reads
+        # every key's string, after backward.)
+        if not (call.params_tags is not None and dict_tags((state.params,)) == call.params_tags
+                and keyed_alike(grads, state.params)) and not same_keys(grads, keys):
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
