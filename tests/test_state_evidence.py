@@ -377,4 +377,4 @@ def test_version_bases_see_a_write_through_any_view_and_pin_the_views():
     assert bases.versions() != before
     with pytest.raises(RuntimeError, match="weakref"):  # (the one call that gives a view another counter)
         torch.utils.swap_tensors(views[1], torch.zeros(6))
-    assert len(bases.bases) == 2 and all(isinstance(r, weakref.ref) for r in bases.views)
+    assert len(bases.firsts) == 2 and all(isinstance(r, weakref.ref) for r in bases.views)

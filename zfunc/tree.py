@@ -389,22 +389,26 @@ class VersionBases:
     buffer), the few bases' versions say whether any of the tensors was written in place: one read per buffer
     where a walk reads one per tensor.
 
-    Holds every tensor and base weakly. A view keeps its base's counter for good: ``t.data = other`` and
-    ``t.set_(...)`` keep it, and the one call that gives a tensor another counter,
-    `torch.utils.swap_tensors`, refuses a tensor with a weak reference (the views are held weakly for that).
-    Reading `versions` needs the tensors alive (their bases are then too): a caller reads it only where it
-    knows them alive (in a dict it found unchanged, `dict_tags`). Eager code only."""
+    Each buffer's version is read through the first of the tensors that shares its counter (not the buffer's
+    own tensor, which the step has not read: the first view's object the caller has, after a walk of the
+    tensors, in its caches). Holds the tensors weakly. A view keeps its base's counter for good:
+    ``t.data = other`` and ``t.set_(...)`` keep it, and the one call that gives a tensor another counter,
+    `torch.utils.swap_tensors`, refuses a tensor with a weak reference (every view is held weakly for that).
+    Reading `versions` needs the tensors alive: a caller reads it only where it knows them alive (in a dict it
+    found unchanged, `dict_tags`). Eager code only."""
 
-    __slots__ = ("bases", "views")
+    __slots__ = ("firsts", "views")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        bases = [t if t._base is None else t._base for t in tensors]
-        self.bases = [weakref.ref(b) for b in {id(b): b for b in bases}.values()]
-        self.views = [weakref.ref(t) for t, b in zip(tensors, bases) if b is not t]
+        firsts: dict[int, torch.Tensor] = {}  # (each base's id: the first tensor sharing its counter)
+        for t in tensors:
+            firsts.setdefault(id(t if t._base is None else t._base), t)
+        self.firsts = [weakref.ref(t) for t in firsts.values()]
+        self.views = [weakref.ref(t) for t in tensors if t._base is not None]
 
     def versions(self) -> list[int]:
-        """Each base's version, in order."""
-        return list(map(version_of, map(_dereference, self.bases)))
+        """Each buffer's version, in order."""
+        return list(map(version_of, map(_dereference, self.firsts)))
 
 
 def values_of(dicts: Iterable[dict]) -> Iterable:

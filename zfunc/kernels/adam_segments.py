@@ -223,24 +223,19 @@ class AdamRuns:
         out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
     """
 
-    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "grads_aligned", "lengths", "numel",
-                 "out_dtype", "weight_decays")
+    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "device", "grads", "grads_aligned", "lengths",
+                 "num_chunks", "numel", "out_dtype", "weight_decays")
 
     def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
         self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
         self.lengths, self.out_dtype, self.chunk = lengths, out_dtype, chunk
         self.numel = sum(lengths)
+        # (Read once: each launch asks for them, and the tables never change.)
+        self.device: torch.device = chunks.device
+        self.num_chunks: int = chunks.shape[0]
         self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
         self._grad_ptrs: list[int] | None = None
         self.grads_aligned = False  # whether every address set last is 16-byte aligned (`set_grads`)
-
-    @property
-    def device(self) -> torch.device:
-        return self.chunks.device
-
-    @property
-    def num_chunks(self) -> int:
-        return self.chunks.shape[0]
 
     def __repr__(self):
         return (f"AdamRuns({len(self.lengths)} runs, {self.num_chunks} chunks of <= {self.chunk}, "

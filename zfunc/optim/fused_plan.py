@@ -274,7 +274,7 @@ class DevicePlan:
             ps, gs = list(values_in_order(params, keys)), list(values_in_order(grads, keys))
         except KeyError:
             return None
-        if not (read_in_c(ps) and read_in_c(gs)):
+        if not read_in_c(ps + gs):
             return self._gradients_one_by_one(ps, gs, grads)
         # The loop of `_gradients_one_by_one`, made from C (this runs at every step, over every parameter).
         if list(map(shape_of, ps)) != self._shapes or list(map(shape_of, gs)) != self._shapes:
