@@ -207,8 +207,8 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         check_grads(params, grads)
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
-    if not (isinstance(params, dict) and isinstance(grads, dict) and keyed_alike(params, grads)
-            and isinstance(mu, dict) and keyed_alike(mu, params)):
+    if not (isinstance(params, dict) and isinstance(grads, dict) and (found is not None or keyed_alike(params, grads))
+            and isinstance(mu, dict) and keyed_alike(mu, params)):  # (found: both keyed as the plan, `gradients_at`)
         return None
     planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into, found)
     if planned is None and not fusable(params, grads, mu, nu):
