@@ -223,8 +223,8 @@ class AdamRuns:
         out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
     """
 
-    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "device", "grads", "grads_aligned", "lengths",
-                 "num_chunks", "numel", "out_dtype", "weight_decays")
+    __slots__ = ("_cuda", "_grad_ptrs", "bases", "chunk", "chunks", "device", "grads", "grads_aligned", "launcher",
+                 "lengths", "num_chunks", "numel", "out_dtype", "weight_decays")
 
     def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
         self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
@@ -234,8 +234,12 @@ class AdamRuns:
         self.device: torch.device = chunks.device
         self.num_chunks: int = chunks.shape[0]
         self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
+        self._cuda = self.grads.device.type == "cuda"
         self._grad_ptrs: list[int] | None = None
         self.grads_aligned = False  # whether every address set last is 16-byte aligned (`set_grads`)
+        # What `zfunc.kernels.gpu_adam.adam_runs_` launches this table with (Triton interpreted or not, the kernel,
+        # its block and warps), found at its first launch: the table does not change, nor what runs it.
+        self.launcher: tuple | None = None
 
     def __repr__(self):
         return (f"AdamRuns({len(self.lengths)} runs, {self.num_chunks} chunks of <= {self.chunk}, "
@@ -287,7 +291,7 @@ class AdamRuns:
             return
         if len(ptrs) != len(self.lengths):
             raise ValueError(f"{len(ptrs)} gradient addresses for {len(self.lengths)} runs")
-        cuda = self.grads.device.type == "cuda"
+        cuda = self._cuda
         if cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("AdamRuns.set_grads while a CUDA graph is being captured: set the gradients' "
                                "addresses before the capture and before each replay")

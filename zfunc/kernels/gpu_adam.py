@@ -278,9 +278,7 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
     if grad_dtype not in _GRAD_KINDS:
         raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
     device = runs.device
-    interp = _interpreting()
-    if _triton() is None or (device.type != "cuda" and not interp):
-        resolve_backend("triton", device)  # raises: Triton cannot run here (no triton; no CUDA, no interpreter)
+    launcher = runs.launcher or _runs_launcher(runs)
     if grad_ptrs is not None:
         runs.set_grads(grad_ptrs)
     grad_ptrs = runs.grad_ptrs
@@ -288,19 +286,30 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
         return
     if found_inf is not None and found_inf.dtype == torch.bool:
         found_inf = found_inf.view(torch.uint8)  # (a view: no launch)
-    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
-
-    k = kernels(interp)
-    block = int(TRITON_CONFIG["adam_block"])
+    interp, kernel, block, warps, use_ptx = launcher
     with _launch(device):
-        k.adam_multi_kernel[(runs.num_chunks,)](
+        kernel[(runs.num_chunks,)](
             runs.chunks, runs.weight_decays, runs.bases, runs.grads, lr, step,
             grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
             float(beta1), float(beta2), float(eps),
             ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
             GRAD_KIND=_GRAD_KINDS[grad_dtype], OUT_KIND=_OUT_KINDS[runs.out_dtype],
-            GRADS_ALIGNED=runs.grads_aligned, INTERPRET=interp, PTX=ptx(interp), BLOCK=block,
-            ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=int(TRITON_CONFIG["adam_warps"]))
+            GRADS_ALIGNED=runs.grads_aligned, INTERPRET=interp, PTX=use_ptx, BLOCK=block,
+            ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=warps)
+
+
+def _runs_launcher(runs: AdamRuns) -> tuple:
+    """What `adam_runs_` launches ``runs`` with from its first launch on (`AdamRuns.launcher`): whether Triton
+    interprets, the kernel, its block and warps, inline PTX or not. Raises where Triton cannot run there (no
+    triton; no CUDA and no interpreter)."""
+    interp = _interpreting()
+    if _triton() is None or (runs.device.type != "cuda" and not interp):
+        resolve_backend("triton", runs.device)  # (raises, saying why)
+    from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
+
+    runs.launcher = (interp, kernels(interp).adam_multi_kernel, int(TRITON_CONFIG["adam_block"]),
+                     int(TRITON_CONFIG["adam_warps"]), ptx(interp))
+    return runs.launcher
 
 
 def _number(x, name: str) -> float:
