@@ -24,9 +24,9 @@ class Finding(NamedTuple):
     """An error a step found on the device, e.g. a NaN loss: raised at the next use of the state it returned.
 
     ``values``: a 1-D float64 tensor on the device (another is cast) whose first element is nonzero when the
-    error happened (the rest are whatever ``explain`` needs to say what happened, e.g. the loss); ``explain(values, step)``
-    makes the exception from their host copy and the step number (``state.step`` of the state the step
-    was given). The step that found it skipped its update on the device (`StepContext.skip_update_if`), so
+    error happened (the rest are whatever ``explain`` needs to say what happened, e.g. the loss);
+    ``explain(values, step)`` makes the exception from their host copy and the step number (``state.step`` of
+    the state the step was given). The step that found it skipped its update on the device (`StepContext.skip_update_if`), so
     the state it returned holds the values of the state it was given.
     """
 

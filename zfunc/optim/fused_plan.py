@@ -168,6 +168,8 @@ class DevicePlan:
         self._member_keys = tuple(k for k, _, _ in members)
         self._members_are_keys = self._member_keys == tuple(keys)
         self._member_offsets = [offset for _, offset, _ in members]
+        self._member_dtypes, self._trues = [grad_dtype] * len(members), [True] * len(members)
+        self._member_devices = [self._device_index] * len(members)
         heads, firsts = [], []
         for _, run in grad_runs:
             firsts.append(len(heads))
@@ -285,9 +287,12 @@ class DevicePlan:
         else:
             bases = tuple(map(operator.sub, map(data_ptr_of, members), self._member_offsets))
             starts = self._first_of_run(bases)
+        # (Each list compared with the one expected, element by element by identity: the same dtype object, True,
+        # a small int; faster than building sets.)
         if ((not self._one_per_run and bases != self._head_of_member(bases))
-                or set(map(dtype_of, members)) != {self.grad_dtype} or not all(map(is_contiguous_of, members))
-                or set(map(device_index_of, members)) != {self._device_index}):
+                or list(map(dtype_of, members)) != self._member_dtypes
+                or list(map(is_contiguous_of, members)) != self._trues
+                or list(map(device_index_of, members)) != self._member_devices):
             return None
         if starts != self._outside_at:
             if not self._all_outside_state(starts):

@@ -75,7 +75,7 @@ from zfunc.transforms.shard_init import partition_meta_state, partition_state
 from zfunc.transforms.shard_pipelined import StageUnits
 from zfunc.transforms.shard_block_checks import refuse_writes
 from zfunc.transforms.shard_units import Units
-from zfunc.tree import dict_tags, keyed_alike, version_of
+from zfunc.tree import version_of
 
 
 _NOT_IN_LAYOUT = ("shard: state.params are not in shard's flat layout (were they replaced, or moved between keys?); "
@@ -102,14 +102,13 @@ class _Call:
     """Per-call scratch of `shard`: the layout, the collectives and the unit machinery."""
 
     def __init__(self, layout: ShardLayout, comm: dist.Comm, units: Units | None,
-                 pipelined: StageUnits | None = None, params_tags: tuple | None = None) -> None:
+                 pipelined: StageUnits | None = None) -> None:
         self.layout, self.comm, self.units = layout, comm, units
         self.pipelined = pipelined  # stages 2/3 around `pipeline` (`shard_pipelined`), instead of ``units``
         self.sharded_applies = 0
         # While dynamo traces, at one rank: each unit's flat gradient and its keys' parts (views of it), handed to
         # the flat update (`_value_and_grad_of_flats`, `zfunc.primitives.UpdateRequest.flat_grads`).
         self.grad_flats: dict[str, tuple[torch.Tensor, dict]] = {}
-        self.params_tags = params_tags  # the tag of the params `start` found keyed as the layout (None: tracing)
 
 
 class shard(Transform):  # noqa: N801
@@ -298,12 +297,11 @@ class shard(Transform):  # noqa: N801
             dist.announce(group, f"a step of shard(stage={self.stage})")
         comm = (CompiledComm(group, ctx.facts.reduce_dtype) if tracing()
                 else dist.Comm(group, reduce_dtype=ctx.facts.reduce_dtype))
-        tags = None if tracing() else dict_tags((state.params,))  # (`_Call.params_tags`)
         if self.stage > 1 and ctx.facts.pp > 1:  # around a pipeline: units whole for the schedule
-            return _Call(layout, comm, None, StageUnits(layout, comm), tags)
+            return _Call(layout, comm, None, StageUnits(layout, comm))
         units = Units(layout, comm, self.reshard, explicit_units=self.units is not None,
                       verify=self.verify, host=self._host_group(ctx, group), who=self) if self.stage > 1 else None
-        return _Call(layout, comm, units, params_tags=tags)
+        return _Call(layout, comm, units)
 
     def _host_group(self, ctx, group: dist.Group) -> dist.Group | None:
         """Where ``verify`` compares the units each rank ran: a gloo group over the same ranks, made at the
@@ -519,10 +517,7 @@ class shard(Transform):  # noqa: N801
         call: _Call = self.call_scratch()
         layout, comm = call.layout, call.comm
         keys = layout.keys
-        # (In order with the keys of the params `start` checked, where they are unchanged: a lookup per key reads
-        # every key's string, after backward.)
-        if not (call.params_tags is not None and dict_tags((state.params,)) == call.params_tags
-                and keyed_alike(grads, state.params)) and not same_keys(grads, keys):
+        if not same_keys(grads, keys):
             raise ValueError(f"shard: grads keys differ from params: {sorted(set(grads) ^ keys)[:8]}")
         flats, shards = self._flats_and_shards(state.params, layout)
         current().state_consumed = True  # the update writes into the state's buffers from here on
