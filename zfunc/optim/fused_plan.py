@@ -184,8 +184,16 @@ class DevicePlan:
         self._outside_at: tuple | None = None
         self._item = item = torch.empty((), dtype=grad_dtype).element_size()
         self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
-        self._starts = [a for a, _ in state_spans]  # the state's buffers, [start, end) in bytes, sorted
-        self._ends = [b for _, b in state_spans]
+        # The state's buffers, [start, end) in bytes, sorted, those that abut merged (a unit's keys lie end to end
+        # in each of its buffers: a few intervals to search, where the spans are one per run and operand).
+        merged: list[list[int]] = []
+        for a, b in state_spans:
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        self._starts = [a for a, _ in merged]
+        self._ends = [b for _, b in merged]
         # The same as numpy arrays, for `_all_outside_state` (None: addresses too large for them), and each run's
         # last byte's offset from its first.
         self._np_starts = self._np_ends = self._np_last_bytes = None
