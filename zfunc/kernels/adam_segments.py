@@ -280,10 +280,11 @@ class AdamRuns:
             raise ValueError("no gradient addresses set: call set_grads first")
         return self._grad_ptrs
 
-    def set_grads(self, ptrs: list[int]) -> None:
+    def set_grads(self, ptrs: list[int], host: numpy.ndarray | None = None) -> None:
         """The gradients' addresses, one per run, for the next launches: copied to the device when they
         differ from the last ones (from pinned memory, without waiting: the caching host allocator keeps
-        the source until the copy ran, and the copy is ordered before the launch on the stream).
+        the source until the copy ran, and the copy is ordered before the launch on the stream). ``host``:
+        ``ptrs`` as an int64 numpy array, where the caller has made one.
 
         Never while a CUDA graph is being captured on this stream: the captured copy would read a pinned
         buffer that is reused after the capture (`zfunc.optim.update_graph` sets them before each replay)."""
@@ -296,7 +297,8 @@ class AdamRuns:
             raise RuntimeError("AdamRuns.set_grads while a CUDA graph is being captured: set the gradients' "
                                "addresses before the capture and before each replay")
         # (Through numpy, which reads a list of ints into an array from C several times faster than torch.tensor.)
-        host = numpy.array(ptrs, dtype=numpy.int64)
+        if host is None:
+            host = numpy.array(ptrs, dtype=numpy.int64)
         self.grads.copy_(torch.from_numpy(host).pin_memory() if cuda else torch.from_numpy(host), non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
         self.grads_aligned = all_16_byte_aligned(ptrs)  # (here, once per new addresses, not per launch)

@@ -185,7 +185,10 @@ def _launch(device: torch.device):
     """Context: make ``device`` current for the launch (Triton launches on the current device)."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _ON_CURRENT
+
+
+_ON_CURRENT = contextlib.nullcontext()  # (the device is current already: nothing to enter; it holds no state)
 
 
 # ----------------------------------------------------------------------------- adam_flat_

@@ -182,6 +182,7 @@ class DevicePlan:
         # are the plan's, so addresses found so once stay so (the caching allocator hands the gradients the same
         # blocks step after step).
         self._outside_at: tuple | None = None
+        self._upload: tuple = ((), None)  # (`gradients_at`'s last addresses, and the int64 array of them or None)
         self._item = item = torch.empty((), dtype=grad_dtype).element_size()
         self._run_bytes = [run[-1][1] + run[-1][2] * item for _, run in grad_runs]
         # The state's buffers, [start, end) in bytes, sorted, those that abut merged (a unit's keys lie end to end
@@ -302,11 +303,15 @@ class DevicePlan:
                 or list(map(is_contiguous_of, members)) != self._trues
                 or list(map(device_index_of, members)) != self._member_devices):
             return None
+        array = None
         if starts != self._outside_at:
-            if not self._all_outside_state(starts):
+            outside, array = self._all_outside_state(starts)
+            if not outside:
                 return None
             self._outside_at = starts
-        return list(starts)
+        ptrs = list(starts)
+        self._upload = (ptrs, array)  # (the addresses as the array the check made: `launch` sends it to the device)
+        return ptrs
 
     def _gradients_one_by_one(self, ps: list, gs: list, grads: dict) -> list[int] | None:
         """`gradients_at` tensor by tensor, for tensors the getters may not read from C (`zfunc.tree.read_in_c`)."""
@@ -330,18 +335,19 @@ class DevicePlan:
             ptrs.append(base)
         return ptrs
 
-    def _all_outside_state(self, starts: tuple) -> bool:
+    def _all_outside_state(self, starts: tuple) -> tuple[bool, numpy.ndarray | None]:
         """`_outside_state` of every run at once (``starts``: each run's first address), in three numpy searches
-        (on a GPU the gradients land elsewhere at every step, so this runs at every step). The state's buffers
-        are sorted and disjoint, so a run's first byte lies between buffers where as many buffers begin as end at
-        or before it, and the run stays there where no buffer begins at or before its last byte that did not
-        begin at or before its first."""
+        (on a GPU the gradients land elsewhere at every step, so this runs at every step), and ``starts`` as the
+        int64 array searched (None where they were checked run by run). The state's buffers are sorted and
+        disjoint, so a run's first byte lies between buffers where as many buffers begin as end at or before it,
+        and the run stays there where no buffer begins at or before its last byte that did not begin at or
+        before its first."""
         if self._np_starts is None or max(starts) >= _NUMPY_ADDRESSES:  # (beyond numpy's int64: run by run)
-            return all(map(self._outside_state, starts, map(operator.add, starts, self._run_bytes)))
+            return all(map(self._outside_state, starts, map(operator.add, starts, self._run_bytes))), None
         s = numpy.array(starts, dtype=numpy.int64)
         begun = self._np_starts.searchsorted(s, "right").tobytes()  # (compared as bytes: no ufunc, no reduction)
         return (self._np_ends.searchsorted(s, "right").tobytes() == begun
-                and self._np_starts.searchsorted(s + self._np_last_bytes, "right").tobytes() == begun)
+                and self._np_starts.searchsorted(s + self._np_last_bytes, "right").tobytes() == begun), s
 
     def _outside_state(self, start: int, end: int) -> bool:
         """Whether bytes [start, end) overlap none of the state's buffers: a gradient is read-only, but never in
@@ -354,7 +360,10 @@ class DevicePlan:
         """The update of every run, in one launch (``spec``: the optimizer's `AdamSpec`; ``grad_ptrs``
         None: the gradients' addresses set last on the table, as `zfunc.optim.update_graph` sets them)."""
         device = self.device
-        adam_runs_(self.table, grad_ptrs, self.grad_dtype, lr=lr.to(device), step=step.to(device), beta1=spec.b1,
+        if grad_ptrs is not None:  # (as the array `gradients_at` made of them, where it made one)
+            upload = self._upload
+            self.table.set_grads(grad_ptrs, upload[1] if upload[0] is grad_ptrs else None)
+        adam_runs_(self.table, None, self.grad_dtype, lr=lr.to(device), step=step.to(device), beta1=spec.b1,
                    beta2=spec.b2, eps=spec.eps, mode=spec.mode,
                    grad_scale=None if divisor is None else divisor.to(device),
                    found_inf=None if skip is None else skip.to(device))
