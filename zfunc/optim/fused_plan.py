@@ -6,11 +6,23 @@ decays, the kernel's chunk table, where the compute copy goes) depends only on
 the layout of the state (master, moments, compute copy) and of the gradients;
 under `shard` that layout is the same step after step. A plan holds it, built
 on the first step. A later step checks, key by key, that it is given tensors
-laid out so (each state tensor the very one the plan was built from, still at
-its address, or one of the same dtype and size at that address; each gradient
-at the address its run expects), then launches one kernel over all runs
-(`zfunc.kernels.gpu_adam.adam_runs_`), after moving the gradients' addresses
-to the device only if they changed. Nothing is read back from the device.
+laid out so (`DevicePlan.state_at`: each state tensor the very one the plan was
+built from, still at its address, or one of the same dtype and size at that
+address; `DevicePlan.gradients_at`: each gradient at the address its run
+expects, of the plan's dtype, contiguous, on its device, outside the state's
+buffers, and shaped as the params, whose shapes are the plan's), then launches
+one kernel over all runs (`zfunc.kernels.gpu_adam.adam_runs_`), after moving
+the gradients' addresses to the device only if they changed. Nothing is read
+back from the device.
+
+What the check reads at every step is what cannot be known otherwise: the
+state's dicts are found unchanged by their version tags (`zfunc.tree.dict_tags`:
+one read per dict, where the ids of every tensor were compared), but a tensor
+keeps its identity when its storage is swapped under it, so every address is
+read; the gradients are new at every step, so everything the kernel relies on
+is read of each, in a pass per attribute from C, and their shapes with the
+params' (which spares the caller's own comparison of them,
+`zfunc.state.check_grads_match`).
 
 A state laid out otherwise (a new state, a restored or resharded one, another
 dtype, gradients grouped differently) fails the check and gets a new plan: the
@@ -32,15 +44,15 @@ from zfunc.kernels.gpu_adam import AdamRuns, adam_runs_
 from zfunc.tree import (
     SameObjects,
     SameValues,
-    values_of,
     data_ptr_of,
-    dict_tags,
     device_index_of,
+    dict_tags,
     dtype_of,
     is_contiguous_of,
     read_in_c,
     shape_of,
     values_in_order,
+    values_of,
 )
 
 
