@@ -367,7 +367,7 @@ def test_same_values_without_tags_compares_ids(monkeypatch):
 def test_version_bases_see_a_write_through_any_view_and_pin_the_views():
     flat = torch.zeros(10)
     views = [flat[:4], flat[4:], torch.zeros(3)]
-    bases = tree.VersionBases(views)
+    bases = tree.VersionBases.of(views)
     before = bases.versions()
     views[1].add_(1.0)
     assert bases.versions() != before
@@ -378,3 +378,4 @@ def test_version_bases_see_a_write_through_any_view_and_pin_the_views():
     with pytest.raises(RuntimeError, match="weakref"):  # (the one call that gives a view another counter)
         torch.utils.swap_tensors(views[1], torch.zeros(6))
     assert len(bases.firsts) == 2 and all(isinstance(r, weakref.ref) for r in bases.views)
+    assert tree.VersionBases.of([torch.zeros(2), torch.zeros(3)]) is None  # (no counter shared: none held)

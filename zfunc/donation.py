@@ -81,8 +81,8 @@ class CopiesStamp(NamedTuple):
     each transform's key of them (with its class: ``(owner, key)``, ``owner.copy_names(key)`` names them), and
     their identities and versions, in order. Where some dicts hold exactly those tensors: ``tags``, their version
     tags (`zfunc.tree.dict_tags`, with each owner), ``bases``, the tensors whose versions are theirs
-    (`zfunc.tree.VersionBases`), and ``base_versions``, those versions, read with ``versions``; else None.
-    Holds no tensor (weak references only)."""
+    (`zfunc.tree.VersionBases`; None where the tensors share no counter), and ``base_versions``, those versions,
+    read with ``versions``; else None. Holds no tensor (weak references only)."""
 
     keys: tuple
     ids: list[int]

@@ -379,16 +379,16 @@ def stamp_copies(state, outermost: Transform, previous: CopiesStamp | None = Non
     held_in = _copies_held_in(state, outermost)
     tags = _tags_of(held_in)
     if tags is not None and previous is not None and tags == previous.tags:
-        bases = previous.bases.versions()
-        if bases != previous.base_versions:
+        bases = None if previous.bases is None else previous.bases.versions()
+        if bases is None or bases != previous.base_versions:
             previous = previous._replace(versions=list(map(version_of, _values_held(held_in))), base_versions=bases)
         donation.stamp = previous
         return
     keys, tensors = _copied(state, outermost)
     stamp = CopiesStamp(keys, list(map(id, tensors)), list(map(version_of, tensors)))
     if tags is not None and _held_exactly(held_in, tensors):
-        bases = VersionBases(tensors)
-        stamp = stamp._replace(tags=tags, bases=bases, base_versions=bases.versions())
+        bases = VersionBases.of(tensors)
+        stamp = stamp._replace(tags=tags, bases=bases, base_versions=None if bases is None else bases.versions())
     donation.stamp = stamp
 
 
@@ -405,7 +405,7 @@ def check_copies(state, outermost: Transform) -> None:
     # per buffer under `shard`), else read in C. Otherwise the names decide, as they say which tensor changed.
     held_in = _copies_held_in(state, outermost) if stamp.tags is not None else ()
     if held_in and _tags_of(held_in) == stamp.tags:
-        if stamp.bases.versions() == stamp.base_versions \
+        if (stamp.bases is not None and stamp.bases.versions() == stamp.base_versions) \
                 or list(map(version_of, _values_held(held_in))) == stamp.versions:
             return
     keys, tensors = _copied(state, outermost)

@@ -399,12 +399,20 @@ class VersionBases:
 
     __slots__ = ("firsts", "views")
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(self, firsts: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        self.firsts = [weakref.ref(t) for t in firsts]
+        self.views = [weakref.ref(t) for t in views]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> VersionBases | None:
+        """The bases of ``tensors``, or None where they are fewer buffers than tensors by none (each tensor with
+        a counter of its own, as without `shard`: their own versions are as few reads, and none is held)."""
         firsts: dict[int, torch.Tensor] = {}  # (each base's id: the first tensor sharing its counter)
         for t in tensors:
             firsts.setdefault(id(t if t._base is None else t._base), t)
-        self.firsts = [weakref.ref(t) for t in firsts.values()]
-        self.views = [weakref.ref(t) for t in tensors if t._base is not None]
+        if len(firsts) == len(tensors):
+            return None
+        return cls(list(firsts.values()), [t for t in tensors if t._base is not None])
 
     def versions(self) -> list[int]:
         """Each buffer's version, in order."""
