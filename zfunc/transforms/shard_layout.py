@@ -455,18 +455,23 @@ def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dic
     itself is that dict, as `zfunc.transforms.shard`'s write-back makes it; the fused update hands its
     moments back so, and they are not walked key by key at every step). (Not while dynamo traces: its 2.11
     cannot trace ``is`` between two dicts.)"""
+    return _zip_param_shaped(old, new, keys, fn, tracing())
+
+
+def _zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable, traced: bool) -> Any:
+    """`zip_param_shaped`, told once whether dynamo traces (not asked at every node of the trees)."""
     if not isinstance(old, (dict, list, tuple)):  # (a leaf: a count, a scale, a layout)
         return new
-    if not tracing() and old is new:
+    if not traced and old is new:
         return new
     if is_param_shaped(old, keys) and isinstance(new, dict):
         return fn(old, new)
     if isinstance(old, dict) and isinstance(new, dict):
-        return {k: zip_param_shaped(old.get(k), v, keys, fn) for k, v in new.items()}
+        return {k: _zip_param_shaped(old.get(k), v, keys, fn, traced) for k, v in new.items()}
     if isinstance(old, tuple) and hasattr(old, "_fields") and type(new) is type(old):
-        return type(new)(*(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new)))
+        return type(new)(*(_zip_param_shaped(o, n, keys, fn, traced) for o, n in zip(old, new)))
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
-        return type(new)(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new))
+        return type(new)(_zip_param_shaped(o, n, keys, fn, traced) for o, n in zip(old, new))
     return new
 
 
