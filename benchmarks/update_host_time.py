@@ -151,9 +151,9 @@ MOVES = [0]
 _set_grads = adam_segments.AdamRuns.set_grads
 
 
-def _counted_set_grads(self, ptrs) -> None:
+def _counted_set_grads(self, ptrs, *args) -> None:
     MOVES[0] += ptrs != self._grad_ptrs
-    _set_grads(self, ptrs)
+    _set_grads(self, ptrs, *args)
 
 
 adam_segments.AdamRuns.set_grads = _counted_set_grads

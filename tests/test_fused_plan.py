@@ -366,18 +366,19 @@ def test_stage_1_shard_views_found_once_per_state_and_let_go_with_it():
 
 
 def test_state_identities_are_trusted_only_while_every_held_tensor_lives():
-    """`fused_plan._Held` finds the usual step's state by ids (from C); an id names one object only while it
-    lives, so once a held tensor died, equal ids prove nothing: the tensors are compared one by one, and a
-    new tensor that took a dead one's id, at its address but of another dtype, is refused."""
+    """`fused_plan._Held` finds the usual step's state by ids (from C) where its dicts are new; an id names one
+    object only while it lives, so once a held tensor died, equal ids prove nothing: the tensors are compared
+    one by one, and a new tensor that took a dead one's id, at its address but of another dtype, is refused."""
     flat = torch.zeros(12)
     a, b = flat[:6], flat[6:]
-    held = fused_plan._Held([a, b])
-    assert held.same([a, b]) and held.same_objects.alive[0]
-    assert not held.same([a, flat[6:]])  # (a new view at b's address: not the same object)
+    keys = ("a", "b")
+    held = fused_plan._Held(({"a": a, "b": b},), keys)
+    assert held.same(({"a": a, "b": b},), keys) and held.same_values.objects.alive[0]
+    assert not held.same(({"a": a, "b": flat[6:]},), keys)  # (a new view at b's address: not the same object)
     as_int = flat.view(torch.int32)
     dead_id, dead_ptr = id(b), b.data_ptr()
     del b  # (freed here: no other reference)
-    assert not held.same_objects.alive[0]
+    assert not held.same_values.objects.alive[0]
     # A tensor at b's address with another dtype, made until one takes b's id (CPython reuses the freed slot).
     made = []
     for _ in range(1000):
@@ -388,7 +389,7 @@ def test_state_identities_are_trusted_only_while_every_held_tensor_lives():
     else:
         pytest.skip("no new tensor took the dead one's id here")
     assert c.data_ptr() == dead_ptr and c.numel() == 6
-    assert not held.same([a, c])  # equal ids and addresses, but one of them died: not trusted
+    assert not held.same(({"a": a, "b": c},), keys)  # equal ids and addresses, but one of them died: not trusted
     assert not held.still_at([a, c], -1)  # and compared one by one: another dtype, refused
 
 
@@ -396,11 +397,13 @@ def test_held_state_rearms_on_equivalent_tensors():
     """New views of the very buffers (same addresses, dtypes and sizes) pass the one-by-one comparison and are
     held from then on, so the step after finds them from C again; the dtypes and sizes stay the plan's."""
     flat = torch.zeros(12)
-    held = fused_plan._Held([flat[:6], flat[6:]])
-    fresh = [flat[:6], flat[6:]]
-    assert not held.same(fresh) and held.still_at(fresh, -1)
-    held.rearm(fresh)
-    assert held.same(fresh) and held.numels == [6, 6] and held.dtypes == [torch.float32] * 2
+    keys = ("a", "b")
+    held = fused_plan._Held(({"a": flat[:6], "b": flat[6:]},), keys)
+    fresh = ({"a": flat[:6], "b": flat[6:]},)
+    tensors = fused_plan._in_order(fresh, keys)
+    assert not held.same(fresh, keys) and held.still_at(tensors, -1)
+    held.rearm(fresh, keys, tensors)
+    assert held.same(fresh, keys) and held.numels == [6, 6] and held.dtypes == [torch.float32] * 2
     assert not held.still_at([flat[:6], flat[6:9]], -1)  # (another size at the same address)
 
 
@@ -423,8 +426,7 @@ def test_plan_takes_new_views_of_its_buffers_and_refuses_other_tensors_at_their_
     fresh = {k: t.view(t.shape) for k, t in params.items()}
     params, opt_state, _ = fused.fused_update(spec, fresh, grads, opt_state)
     assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1
-    assert plan._held.same(fused_plan._in_order((fresh, spec.adam_state(opt_state).mu,
-                                                 spec.adam_state(opt_state).nu), plan.keys))
+    assert plan._held.same((fresh, spec.adam_state(opt_state).mu, spec.adam_state(opt_state).nu), plan.keys)
     as_int = {**fresh, "u1.b": fresh["u1.b"].view(torch.int32)}  # (the same bytes, another dtype)
     assert plan.grad_addresses(as_int, grads, spec.adam_state(opt_state).mu, spec.adam_state(opt_state).nu,
                                None) is None
@@ -450,7 +452,7 @@ def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, m
     spec, params, opt_state, keep, grads, plan = _after_one_planned_update()
     rearms = []
     rearm = fused_plan._Held.rearm
-    monkeypatch.setattr(fused_plan._Held, "rearm", lambda self, t: (rearms.append(1), rearm(self, t)))
+    monkeypatch.setattr(fused_plan._Held, "rearm", lambda self, *a: (rearms.append(1), rearm(self, *a)))
     for _ in range(8):
         params, opt_state, _ = fused.fused_update(spec, {k: t.view(t.shape) for k, t in params.items()}, grads,
                                                   opt_state)
@@ -458,3 +460,27 @@ def test_new_views_at_every_step_are_held_again_only_now_and_then(device_path, m
     assert spec.tables[fused._PLAN] is plan and device_path["builds"] == 1 and device_path["runs"] == 9
     fused.fused_update(spec, params, grads, opt_state)  # (the tensors held at the 8th)
     assert plan._held.misses == 0 and len(rearms) == 4
+
+
+def test_gradients_outside_the_state_found_for_all_runs_at_once_as_run_by_run():
+    """`DevicePlan._all_outside_state` (three numpy searches, at every step on a GPU) says what `_outside_state`
+    says run by run: random buffers and runs, and runs that touch a buffer's either end or begin inside one."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(200):
+        spans, at = [], rng.randrange(1, 1000)
+        for _ in range(rng.randrange(0, 12)):
+            at += rng.randrange(0, 64)  # (0: abutting the buffer before)
+            spans.append((at, at + rng.randrange(1, 64)))
+            at = spans[-1][1]
+        lengths = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 9))]  # bf16 elements per run
+        grad_runs = [(f"k{i}", ((f"k{i}", 0, n),)) for i, n in enumerate(lengths)]
+        plan = fused_plan.DevicePlan((), (), torch.device("cpu"), None, torch.bfloat16, None, None, grad_runs, spans)
+        edges = [a for span in spans for a in span] or [0]
+        for _ in range(20):
+            starts = tuple(rng.choice([rng.randrange(0, at + 100), rng.choice(edges), rng.choice(edges) - 2 * n])
+                           for n in lengths)
+            starts = tuple(max(s, 0) for s in starts)
+            want = all(plan._outside_state(s, s + 2 * n) for s, n in zip(starts, lengths))
+            assert plan._all_outside_state(starts)[0] == want, (spans, starts, lengths)

@@ -129,7 +129,7 @@ def skip_update_if_nonfinite(ctx, loss: torch.Tensor, bad: torch.Tensor) -> None
     (Also `pipeline`'s, once its last stage broadcast the loss.)"""
     # (The explanation holds the stack, which lives as long as the step, not ``ctx``: ``ctx`` holds the findings,
     # so it would be a reference cycle, kept with the step's scratch until the garbage collector's next pass.)
-    ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.detach().to(torch.float32)]),
+    ctx.skip_update_if(bad, Finding(torch.stack([bad, loss.detach()]).to(torch.float64),  # (`Finding`: float64)
                                     functools.partial(_explain_nonfinite_loss, ctx.stack)))
 
 

@@ -91,9 +91,10 @@ import torch.utils._pytree as torch_pytree
 T = TypeVar("T")
 
 
-def tracing() -> bool:
-    """Whether dynamo (torch.compile) is tracing the code that calls this (false in eager code)."""
-    return torch.compiler.is_dynamo_compiling()
+# ``tracing()``: whether dynamo (torch.compile) is tracing the code that calls this (false in eager code). Torch's
+# own function, not a wrapper of it: eager code asks it many times per step (a wrapper was a Python call more
+# each), and dynamo folds it to a constant either way.
+tracing: Callable[[], bool] = torch.compiler.is_dynamo_compiling
 
 
 def remember(cache: dict, key: Any, value: T) -> T:

@@ -15,7 +15,7 @@ knows nothing of transforms.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,10 +23,10 @@ import torch
 class Finding(NamedTuple):
     """An error a step found on the device, e.g. a NaN loss: raised at the next use of the state it returned.
 
-    ``values``: a 1-D float tensor on the device whose first element is nonzero when the error happened
-    (the rest are whatever ``explain`` needs to say what happened, e.g. the loss); ``explain(values, step)``
-    makes the exception from their host copy and the step number (``state.step`` of the state the step
-    was given). The step that found it skipped its update on the device (`StepContext.skip_update_if`), so
+    ``values``: a 1-D float64 tensor on the device (another is cast) whose first element is nonzero when the
+    error happened (the rest are whatever ``explain`` needs to say what happened, e.g. the loss);
+    ``explain(values, step)`` makes the exception from their host copy and the step number (``state.step`` of
+    the state the step was given). The step that found it skipped its update on the device (`StepContext.skip_update_if`), so
     the state it returned holds the values of the state it was given.
     """
 
@@ -42,8 +42,11 @@ class Pending:
     def __init__(self, findings: list[Finding], step: torch.Tensor) -> None:
         self.explains = [f.explain for f in findings]
         self.sizes = [f.values.numel() for f in findings]
-        values = torch.cat([f.values.detach().reshape(-1).to(torch.float64) for f in findings]
-                           + [step.detach().reshape(1).to(device=findings[0].values.device, dtype=torch.float64)])
+        device = findings[0].values.device
+        # One float64 buffer of every finding's values and the step number, by one ``cat`` that promotes the step
+        # (the findings' values are float64 already: a cast, reshape or detach of each would be a launch more).
+        step = step.reshape(1) if step.device == device else step.reshape(1).to(device)
+        values = torch.cat([*map(_float64_values, findings), step])
         if values.device.type == "cuda":
             self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
@@ -65,14 +68,28 @@ class Pending:
                 raise explain(mine, step)
 
 
+def _float64_values(finding: Finding) -> torch.Tensor:
+    """A finding's values as `Finding` asks for them (1-D float64, no gradient), made so where they are not."""
+    values = finding.values
+    if values.dtype == torch.float64 and values.dim() == 1 and not values.requires_grad:
+        return values
+    return values.detach().reshape(-1).to(torch.float64)
+
+
 class CopiesStamp(NamedTuple):
     """The tensors a stack keeps consistent with each other (`zfunc.interpret.check_copies`), as a step left them:
     each transform's key of them (with its class: ``(owner, key)``, ``owner.copy_names(key)`` names them), and
-    their identities and versions, in order. Holds no tensor."""
+    their identities and versions, in order. Where some dicts hold exactly those tensors: ``tags``, their version
+    tags (`zfunc.tree.dict_tags`, with each owner), ``bases``, the tensors whose versions are theirs
+    (`zfunc.tree.VersionBases`; None where the tensors share no counter), and ``base_versions``, those versions,
+    read with ``versions``; else None. Holds no tensor (weak references only)."""
 
     keys: tuple
     ids: list[int]
     versions: list[int]
+    tags: tuple | None = None
+    bases: Any = None
+    base_versions: list[int] | None = None
 
 
 class Donation:

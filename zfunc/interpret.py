@@ -23,7 +23,9 @@ Transform authors find the interpreter's names here (`Transform`, `Facts`,
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
+import itertools
+import operator
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -52,7 +54,7 @@ from zfunc.primitives import (  # noqa: F401 (re-exported, see the module doc)
 )
 from zfunc.state_check import require_state
 from zfunc.step_context import CONTEXT, TRACED, StepContext, current
-from zfunc.tree import tree_leaves, version_of
+from zfunc.tree import VersionBases, dict_tags, tree_leaves, values_of, version_of
 
 
 class Stack:
@@ -162,7 +164,7 @@ class Transform:
             if not (isinstance(out, tuple) and out and out[0] is state):
                 consume(state, ctx.stack.described)
             if isinstance(out, tuple) and out:
-                stamp_copies(out[0], self)
+                stamp_copies(out[0], self, _stamp_of(state))
                 if ctx.findings:  # raised at the next use of the state returned (`check_alive`)
                     defer_findings(out[0], Pending(ctx.findings, state.step))
             return out
@@ -263,6 +265,14 @@ class Transform:
         """The names (for an error) of the tensors `copied` returned with ``key``, in its order."""
         return []
 
+    def copies_held_in(self, state) -> tuple[dict, ...]:
+        """The dicts that hold `copied`'s tensors (all of them as their values, dict after dict, in order), where
+        there are such dicts: a stamp then records their version tags, and a later check finds them unchanged
+        (the same keys and tensors) in one read per dict, reading only the tensors' versions. Where they do not
+        hold exactly those tensors (a value `copied` leaves out), the stamp finds that out and records none.
+        Default: none."""
+        return ()
+
     def copies(self, state) -> dict[str, torch.Tensor]:
         """`copied`'s tensors by their names."""
         key, tensors = self.copied(state)
@@ -357,25 +367,47 @@ def fresh_copies(tensors: dict[str, torch.Tensor], state) -> dict[str, torch.Ten
             else v for k, v in tensors.items()}
 
 
-def stamp_copies(state, outermost: Transform) -> None:
+def stamp_copies(state, outermost: Transform, previous: CopiesStamp | None = None) -> None:
     """Record, on ``state``, the identity and version of the tensors that ``outermost`` and the transforms
-    it wraps keep consistent (`Transform.copied`)."""
+    it wraps keep consistent (`Transform.copied`). ``previous``: the stamp of the state the step was given,
+    which stands where the dicts holding the tensors are the very ones it recorded, unchanged
+    (`Transform.copies_held_in`), and their version bases did not move (`zfunc.tree.VersionBases`: else their
+    versions are read)."""
     donation = getattr(state, "donation", None)
-    if isinstance(donation, Donation):
-        keys, tensors = _copied(state, outermost)
-        donation.stamp = CopiesStamp(keys, list(map(id, tensors)), list(map(version_of, tensors)))
+    if not isinstance(donation, Donation):
+        return
+    held_in = _copies_held_in(state, outermost)
+    tags = _tags_of(held_in)
+    if tags is not None and previous is not None and tags == previous.tags:
+        bases = None if previous.bases is None else previous.bases.versions()
+        if bases is None or bases != previous.base_versions:
+            previous = previous._replace(versions=list(map(version_of, _values_held(held_in))), base_versions=bases)
+        donation.stamp = previous
+        return
+    keys, tensors = _copied(state, outermost)
+    stamp = CopiesStamp(keys, list(map(id, tensors)), list(map(version_of, tensors)))
+    if tags is not None and _held_exactly(held_in, tensors):
+        bases = VersionBases.of(tensors)
+        stamp = stamp._replace(tags=tags, bases=bases, base_versions=None if bases is None else bases.versions())
+    donation.stamp = stamp
 
 
 def check_copies(state, outermost: Transform) -> None:
     """Refuse a state in which a tensor the stack keeps consistent with another (`Transform.copied`) was
     changed or replaced since the step that returned it: the step would silently ignore the edit, or train
     from weights that no longer match it."""
-    donation = getattr(state, "donation", None)
-    stamp = donation.stamp if isinstance(donation, Donation) else None
+    stamp = _stamp_of(state)
     if stamp is None or not stamp.ids:
         return
-    # The common case, at every step: the same tensors (by identity and version, read in C: this is per
-    # parameter) under the same keys. Otherwise the names decide, as they say which tensor changed.
+    # The common case, at every step: the same tensors (by identity and version) under the same keys. Where the
+    # dicts holding them are the very ones stamped, unchanged (their version tags), those are the same keys and
+    # tensors, and their versions are the stamp's where their bases' are (`zfunc.tree.VersionBases`: one read
+    # per buffer under `shard`), else read in C. Otherwise the names decide, as they say which tensor changed.
+    held_in = _copies_held_in(state, outermost) if stamp.tags is not None else ()
+    if held_in and _tags_of(held_in) == stamp.tags:
+        if (stamp.bases is not None and stamp.bases.versions() == stamp.base_versions) \
+                or list(map(version_of, _values_held(held_in))) == stamp.versions:
+            return
     keys, tensors = _copied(state, outermost)
     if keys == stamp.keys and stamp.ids == list(map(id, tensors)) \
             and stamp.versions == list(map(version_of, tensors)):
@@ -390,6 +422,44 @@ def check_copies(state, outermost: Transform) -> None:
                 "step, or trained from weights that no longer match it. To change weights, take "
                 "step.gather(state), edit that, and build a new state with step.init(zf.TrainState.create(...)) "
                 "(or restore a checkpoint into step.init's template).")
+
+
+def _stamp_of(state) -> CopiesStamp | None:
+    donation = getattr(state, "donation", None)
+    return donation.stamp if isinstance(donation, Donation) else None
+
+
+def _copies_held_in(state, outermost: Transform) -> tuple:
+    """Each transform's `Transform.copies_held_in` that names some dicts, with its class: ``((owner, dicts), ...)``."""
+    out = []
+    for transform in _wrapped(outermost):
+        dicts = transform.copies_held_in(state)
+        if dicts:
+            out.append((type(transform), dicts))
+    return tuple(out)
+
+
+def _tags_of(held_in: tuple) -> tuple | None:
+    """The version tags of the dicts `_copies_held_in` named, with their owners (None where one cannot be read,
+    `zfunc.tree.dict_tags`)."""
+    tags = []
+    for owner, dicts in held_in:
+        mine = dict_tags(dicts)
+        if mine is None:
+            return None
+        tags.append((owner, mine))
+    return tuple(tags)
+
+
+def _values_held(held_in: tuple) -> Iterable:
+    """Every value of the dicts `_copies_held_in` named, in order."""
+    return values_of(itertools.chain.from_iterable(dicts for _, dicts in held_in))
+
+
+def _held_exactly(held_in: tuple, tensors: list) -> bool:
+    """Whether the dicts `_copies_held_in` named hold exactly ``tensors`` as their values, in order."""
+    values = list(_values_held(held_in))
+    return len(values) == len(tensors) and all(map(operator.is_, values, tensors))
 
 
 def _wrapped(outermost: Transform) -> list[Transform]:

@@ -37,7 +37,7 @@ import torch
 from zfunc.compiled import init_fields, replaced, tracing
 from zfunc.donation import Donation, check_laid_out_by
 from zfunc.primitives import UpdateRequest, Updated, dispatch
-from zfunc.step_context import current
+from zfunc.step_context import count_increment, current
 from zfunc.optim import GradientTransformation, apply_updates
 from zfunc.optim.flat import flat_adam_update
 from zfunc.optim.fused import fused_update
@@ -102,7 +102,16 @@ class TrainState:
             return dataclasses.replace(self, donation=donation, **changes)
         if "donation" in changes:
             raise TypeError("TrainState.replace: the donation record is not replaced")
-        return replaced(self, _FIELDS, {**changes, "donation": donation})
+        if tracing() or not _FIELD_NAMES.issuperset(changes):  # (an unknown field: refused as dataclasses refuses it)
+            return replaced(self, _FIELDS, {**changes, "donation": donation})
+        # Eagerly, the fields as they are with the changes over them: what ``__init__`` would do, without its one
+        # ``object.__setattr__`` per field of a frozen dataclass (a step replaces its state five times).
+        new = object.__new__(TrainState)
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.update(changes)
+        fields["donation"] = donation
+        return new
 
     def apply_gradients(self, grads: dict[str, torch.Tensor]) -> "TrainState":
         """One optimizer update: ``updates, opt_state = tx.update(grads, opt_state, params)``,
@@ -128,13 +137,13 @@ def plain_apply_gradients(state: TrainState, grads: dict[str, torch.Tensor], req
     ctx = current()
     if ctx is None:
         check_laid_out_by(state, set(), "a plain step (no transforms)")
-    check_grads_match(state.params, grads)
+    # (The gradients' shapes are checked by the update, first: `plain_update_params`.)
     params, opt_state, copy = dispatch("update_params", plain_update_params, state.tx, state.params, grads,
                                        state.opt_state, request)
     if copy is None and request.compute_dtype is not None:
         copy = {k: v.to(request.compute_dtype) for k, v in params.items()}
     skip = ctx.skip if ctx is not None else None
-    step = state.step + 1 if skip is None else state.step + (~skip).to(state.step.dtype)
+    step = state.step + 1 if skip is None else state.step + count_increment(skip, state.step.dtype)
     return Updated(state.replace(step=step, params=params, opt_state=opt_state), copy)
 
 
@@ -150,14 +159,21 @@ def plain_update_params(tx: GradientTransformation, params: Any, grads: Any, opt
     as torch operations once per flat run the request names
     (`zfunc.optim.flat.flat_adam_update`). Otherwise, and for every other
     optimizer, the pure update (`pure_update`).
+
+    First of all, gradients not shaped as the params are refused (`check_grads_match`); the fused update makes
+    that check itself, or finds it made by what its plan reads of the gradients anyway.
     """
     ctx = current()
     skip = ctx.skip if ctx is not None else None  # skip the update on the device (see `plain_apply_gradients`)
     landing = request.grads_landing  # (gradients still landing in host memory: `UpdateRequest`)
-    if ctx is not None and ctx.facts.fused_update and tx.fused is not None:
+    fused = ctx is not None and ctx.facts.fused_update and tx.fused is not None
+    if not (fused and not tracing()):
+        check_grads_match(params, grads)
+    if fused:
         if not tracing():
             done = fused_update(tx.fused, params, grads, opt_state, request.compute_dtype, request.compute_into,
-                                request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing)
+                                request.host_threads, skip=skip, skip_ready=ctx.skip_ready, landing=landing,
+                                check_grads=check_grads_match)
         elif request.flat_runs is not None:
             # Under torch.compile (dynamo cannot trace the kernels): the same arithmetic as torch operations,
             # once per flat buffer instead of once per parameter (a smaller graph, a faster compile).
@@ -220,3 +236,4 @@ def _unflatten(static, children) -> TrainState:
 
 register_pytree_node(TrainState, _flatten, _unflatten)
 _FIELDS = init_fields(TrainState)
+_FIELD_NAMES = frozenset(_FIELDS)

@@ -77,6 +77,20 @@ class StepContext:
             raise RuntimeError(f"{transform.name}'s primitives ran outside its step") from None
 
 
+def count_increment(skip: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a step's counts advance by where its update may be skipped: 0 where ``skip`` (a 0-d bool flag,
+    `StepContext.skip`) is set, else 1, as ``dtype``, on the flag's device (no host read). Made once per flag and
+    dtype in an eager step and kept on the flag, which lives as long as the step: the optimizer's counts and
+    the state's step count advance by one tensor (on a GPU each count made its own: two launches each)."""
+    if torch.compiler.is_dynamo_compiling():
+        return (~skip).to(dtype)
+    made = getattr(skip, "_zfunc_increment", None)
+    if made is None or made.dtype != dtype:
+        made = torch.where(skip, 0, 1)
+        made = skip._zfunc_increment = made if made.dtype == dtype else made.to(dtype)
+    return made
+
+
 # The context of the eager step running now on this thread (set by `zfunc.interpret.Transform.__call__`).
 CONTEXT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("zfunc_step", default=None)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import operator
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import optree
 import torch
@@ -247,7 +247,7 @@ def describe_mismatch(expected: dict, got: dict, what: str = "params") -> str:
         if frozenset(expected) == frozenset(got) and _shapes(expected.values()) == _shapes(
                 map(got.__getitem__, expected)):
             return ""
-    elif expected.keys() == got.keys():
+    elif keyed_alike(expected, got):
         # The usual case: every shape alike. Read in C where it can (this runs for every parameter at every step);
         # in one pass otherwise.
         theirs = list(values_in_order(got, expected))
@@ -310,6 +310,125 @@ class SameObjects:
 
     def __call__(self, objects: Iterable) -> bool:
         return self.alive[0] and tuple(map(id, objects)) == self.ids
+
+
+# -- a dict's version tag: evidence that a dict still holds what it held ----------------------------------
+# CPython gives every dict a version tag (``ma_version_tag``) from one counter of the interpreter: a new dict
+# gets a tag no dict had before, and inserting, deleting or replacing a value by another object gives the dict
+# a new one. So a dict read with a tag read before is that very dict, unchanged since: it holds the very
+# objects it held then, in the same order, alive (it holds them). One read per dict (~60 ns) where a walk of
+# its values reads each; what a step checks of a state's dicts of tensors at every step.
+
+
+def _dict_tag_reader() -> Callable[[dict], int] | None:
+    """The reader of a dict's version tag, or None where there is none that behaves as described above.
+
+    Torch's dynamo guards read it (``torch._C._dynamo.guards.dict_version``: private, present in torch 2.11 and
+    2.13 on Python 3.11 and 3.12; Python 3.14 removes the tag). It is tried once, here, on dicts of its own:
+    without a reader, or with one that does not tell a changed dict or another dict by its tag, every caller
+    walks the values instead (`SameValues`)."""
+    read = getattr(getattr(getattr(torch._C, "_dynamo", None), "guards", None), "dict_version", None)
+    if read is None:
+        return None
+    try:
+        mine, twin, kept = {0: 0}, {0: 0}, object()
+        first = read(mine)
+        mine[0] = kept
+        replaced = read(mine)
+        mine[0] = kept  # (the same object again: nothing changed)
+        if read(mine) != replaced or len({first, replaced, read(twin), read({**twin})}) != 4:
+            return None
+    except Exception:  # noqa: BLE001 (a private reader that fails in any way is no reader)
+        return None
+    return read
+
+
+DICT_TAG = _dict_tag_reader()
+
+
+def dict_tags(dicts: Iterable) -> tuple | None:
+    """Each dict's version tag, in order (see above), or None where tags cannot stand for the dicts: no reader
+    (`_dict_tag_reader`), or one of them not exactly a ``dict`` (an ``OrderedDict`` reorders its keys without a
+    new tag; a subclass may keep its values elsewhere). Eager code only (dynamo cannot trace the reader)."""
+    dicts = tuple(dicts)
+    if DICT_TAG is None or not all(map(operator.is_, map(type, dicts), itertools.repeat(dict))):
+        return None
+    return tuple(map(DICT_TAG, dicts))
+
+
+class SameValues:
+    """Whether dicts hold, value after value, the very objects they held when this was made, without keeping
+    those alive.
+
+    In the usual step the dicts are the very ones last checked, unchanged: their version tags say so, one read
+    per dict (`dict_tags`). Otherwise the values are compared by identity (`SameObjects`: one id per value, read
+    from C), and where they pass, the dicts' tags stand for them from then on. (Tags say nothing of what
+    happened to the objects themselves: a tensor's storage swapped under it (``t.data = other``, ``t.set_``)
+    keeps its identity; a caller that cares reads what it needs of them, e.g. their addresses.)"""
+
+    __slots__ = ("objects", "tags")
+
+    def __init__(self, dicts: Sequence[dict]) -> None:
+        self.objects = SameObjects(values_of(dicts))
+        self.tags = dict_tags(dicts)
+
+    def __call__(self, dicts: Sequence[dict]) -> bool:
+        tags = dict_tags(dicts)
+        if tags is not None and tags == self.tags:
+            return True
+        if not self.objects(values_of(dicts)):
+            return False
+        self.tags = tags
+        return True
+
+
+class VersionBases:
+    """The tensors whose version counters are a list of tensors' counters: a view shares its base's counter (an
+    in-place write into any view of a buffer moves the buffer's version, and every view's), any other tensor
+    has its own. Where the tensors are views of a few buffers (`shard`'s per-key views of each unit's flat
+    buffer), the few bases' versions say whether any of the tensors was written in place: one read per buffer
+    where a walk reads one per tensor.
+
+    Each buffer's version is read through the first of the tensors that shares its counter (not the buffer's
+    own tensor, which the step has not read: the first view's object the caller has, after a walk of the
+    tensors, in its caches). Holds the tensors weakly. A view keeps its base's counter for good:
+    ``t.data = other`` and ``t.set_(...)`` keep it, and the one call that gives a tensor another counter,
+    `torch.utils.swap_tensors`, refuses a tensor with a weak reference (every view is held weakly for that).
+    Reading `versions` needs the tensors alive: a caller reads it only where it knows them alive (in a dict it
+    found unchanged, `dict_tags`). Eager code only."""
+
+    __slots__ = ("firsts", "views")
+
+    def __init__(self, firsts: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        self.firsts = [weakref.ref(t) for t in firsts]
+        self.views = [weakref.ref(t) for t in views]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> VersionBases | None:
+        """The bases of ``tensors``, or None where they are fewer buffers than tensors by none (each tensor with
+        a counter of its own, as without `shard`: their own versions are as few reads, and none is held)."""
+        firsts: dict[int, torch.Tensor] = {}  # (each base's id: the first tensor sharing its counter)
+        for t in tensors:
+            firsts.setdefault(id(t if t._base is None else t._base), t)
+        if len(firsts) == len(tensors):
+            return None
+        return cls(list(firsts.values()), [t for t in tensors if t._base is not None])
+
+    def versions(self) -> list[int]:
+        """Each buffer's version, in order."""
+        return list(map(version_of, map(_dereference, self.firsts)))
+
+
+def values_of(dicts: Iterable[dict]) -> Iterable:
+    """Every dict's values, dict after dict, in one iterator."""
+    return itertools.chain.from_iterable(map(dict.values, dicts))
+
+
+def keyed_alike(a: dict, b: dict) -> bool:
+    """``a.keys() == b.keys()``: compared in order first (two tuples of the same key objects, from C, where a
+    comparison of key sets looks every key up: a step's param-shaped dicts are keyed in one order), as sets
+    where the orders differ."""
+    return len(a) == len(b) and (tuple(a) == tuple(b) or a.keys() == b.keys())
 
 
 def values_in_order(d: dict, keys) -> Iterable:

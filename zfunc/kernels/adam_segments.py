@@ -15,6 +15,7 @@ import math
 import operator
 from typing import Sequence
 
+import numpy
 import torch
 
 __all__ = ["ALIGN", "CHUNK", "MIN_CHUNK", "PROGRAMS_PER_SM", "AdamRuns", "AdamSegments", "all_16_byte_aligned",
@@ -222,24 +223,23 @@ class AdamRuns:
         out_dtype: the dtype of the copies (None: no copy), lengths: each run's, numel: their sum.
     """
 
-    __slots__ = ("_grad_ptrs", "bases", "chunk", "chunks", "grads", "grads_aligned", "lengths", "numel",
-                 "out_dtype", "weight_decays")
+    __slots__ = ("_cuda", "_grad_ptrs", "bases", "chunk", "chunks", "device", "grads", "grads_aligned", "launcher",
+                 "lengths", "num_chunks", "numel", "out_dtype", "weight_decays")
 
     def __init__(self, chunks, weight_decays, bases, lengths, out_dtype, chunk):
         self.chunks, self.weight_decays, self.bases = chunks, weight_decays, bases
         self.lengths, self.out_dtype, self.chunk = lengths, out_dtype, chunk
         self.numel = sum(lengths)
+        # (Read once: each launch asks for them, and the tables never change.)
+        self.device: torch.device = chunks.device
+        self.num_chunks: int = chunks.shape[0]
         self.grads = torch.zeros(len(lengths), dtype=torch.int64, device=bases.device)
+        self._cuda = self.grads.device.type == "cuda"
         self._grad_ptrs: list[int] | None = None
         self.grads_aligned = False  # whether every address set last is 16-byte aligned (`set_grads`)
-
-    @property
-    def device(self) -> torch.device:
-        return self.chunks.device
-
-    @property
-    def num_chunks(self) -> int:
-        return self.chunks.shape[0]
+        # What `zfunc.kernels.gpu_adam.adam_runs_` launches this table with (Triton interpreted or not, the kernel,
+        # its block and warps), found at its first launch: the table does not change, nor what runs it.
+        self.launcher: tuple | None = None
 
     def __repr__(self):
         return (f"AdamRuns({len(self.lengths)} runs, {self.num_chunks} chunks of <= {self.chunk}, "
@@ -280,10 +280,11 @@ class AdamRuns:
             raise ValueError("no gradient addresses set: call set_grads first")
         return self._grad_ptrs
 
-    def set_grads(self, ptrs: list[int]) -> None:
+    def set_grads(self, ptrs: list[int], host: numpy.ndarray | None = None) -> None:
         """The gradients' addresses, one per run, for the next launches: copied to the device when they
         differ from the last ones (from pinned memory, without waiting: the caching host allocator keeps
-        the source until the copy ran, and the copy is ordered before the launch on the stream).
+        the source until the copy ran, and the copy is ordered before the launch on the stream). ``host``:
+        ``ptrs`` as an int64 numpy array, where the caller has made one.
 
         Never while a CUDA graph is being captured on this stream: the captured copy would read a pinned
         buffer that is reused after the capture (`zfunc.optim.update_graph` sets them before each replay)."""
@@ -291,12 +292,14 @@ class AdamRuns:
             return
         if len(ptrs) != len(self.lengths):
             raise ValueError(f"{len(ptrs)} gradient addresses for {len(self.lengths)} runs")
-        cuda = self.grads.device.type == "cuda"
+        cuda = self._cuda
         if cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("AdamRuns.set_grads while a CUDA graph is being captured: set the gradients' "
                                "addresses before the capture and before each replay")
-        host = torch.tensor(ptrs, dtype=torch.int64, pin_memory=cuda)
-        self.grads.copy_(host, non_blocking=cuda)
+        # (Through numpy, which reads a list of ints into an array from C several times faster than torch.tensor.)
+        if host is None:
+            host = numpy.array(ptrs, dtype=numpy.int64)
+        self.grads.copy_(torch.from_numpy(host).pin_memory() if cuda else torch.from_numpy(host), non_blocking=cuda)
         self._grad_ptrs = list(ptrs)
         self.grads_aligned = all_16_byte_aligned(ptrs)  # (here, once per new addresses, not per launch)
 

@@ -65,7 +65,6 @@ v: 28 bytes with fp32 grads, 26 with 16-bit grads; ``out_lowp`` adds 2.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -181,11 +180,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _launch(device: torch.device):
-    """Context: make ``device`` current for the launch (Triton launches on the current device)."""
+def _on(device: torch.device, launch, *args, **kwargs) -> None:
+    """``launch(*args, **kwargs)`` with ``device`` current (Triton launches on the current device); where it is
+    current already, as it is (no context entered: this runs at every step)."""
     if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+        with torch.cuda.device(device):
+            launch(*args, **kwargs)
+    else:
+        launch(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- adam_flat_
@@ -278,7 +280,7 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
     if grad_dtype not in _GRAD_KINDS:
         raise ValueError(f"grad_dtype must be one of {list(_GRAD_KINDS)}, got {grad_dtype}")
     device = runs.device
-    resolve_backend("triton", device)  # raises where Triton cannot run (no CUDA, no interpreter)
+    launcher = runs.launcher or _runs_launcher(runs)
     if grad_ptrs is not None:
         runs.set_grads(grad_ptrs)
     grad_ptrs = runs.grad_ptrs
@@ -286,20 +288,29 @@ def adam_runs_(runs: AdamRuns, grad_ptrs: list[int] | None, grad_dtype: torch.dt
         return
     if found_inf is not None and found_inf.dtype == torch.bool:
         found_inf = found_inf.view(torch.uint8)  # (a view: no launch)
+    interp, kernel, block, warps, use_ptx = launcher
+    _on(device, kernel[(runs.num_chunks,)],
+        runs.chunks, runs.weight_decays, runs.bases, runs.grads, lr, step,
+        grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
+        float(beta1), float(beta2), float(eps),
+        ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
+        GRAD_KIND=_GRAD_KINDS[grad_dtype], OUT_KIND=_OUT_KINDS[runs.out_dtype],
+        GRADS_ALIGNED=runs.grads_aligned, INTERPRET=interp, PTX=use_ptx, BLOCK=block,
+        ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=warps)
+
+
+def _runs_launcher(runs: AdamRuns) -> tuple:
+    """What `adam_runs_` launches ``runs`` with from its first launch on (`AdamRuns.launcher`): whether Triton
+    interprets, the kernel, its block and warps, inline PTX or not. Raises where Triton cannot run there (no
+    triton; no CUDA and no interpreter)."""
+    interp = _interpreting()
+    if _triton() is None or (runs.device.type != "cuda" and not interp):
+        resolve_backend("triton", runs.device)  # (raises, saying why)
     from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
 
-    interp = _interpreting()
-    k = kernels(interp)
-    block = int(TRITON_CONFIG["adam_block"])
-    with _launch(device):
-        k.adam_multi_kernel[(runs.num_chunks,)](
-            runs.chunks, runs.weight_decays, runs.bases, runs.grads, lr, step,
-            grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
-            float(beta1), float(beta2), float(eps),
-            ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
-            GRAD_KIND=_GRAD_KINDS[grad_dtype], OUT_KIND=_OUT_KINDS[runs.out_dtype],
-            GRADS_ALIGNED=runs.grads_aligned, INTERPRET=interp, PTX=ptx(interp), BLOCK=block,
-            ITERS=-(-runs.chunk // block), ALIGN=ALIGN, num_warps=int(TRITON_CONFIG["adam_warps"]))
+    runs.launcher = (interp, kernels(interp).adam_multi_kernel, int(TRITON_CONFIG["adam_block"]),
+                     int(TRITON_CONFIG["adam_warps"]), ptx(interp))
+    return runs.launcher
 
 
 def _number(x, name: str) -> float:
@@ -322,14 +333,13 @@ def _adam_triton(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, 
     out_kind = 0 if out_lowp is None else (1 if out_lowp.dtype == torch.bfloat16 else 2)
     # bf16 copies are stored as bit patterns, rounded in the kernel (_bf16_bits); no copy: a dummy
     out = param if out_lowp is None else (out_lowp.view(torch.int16) if out_kind == 1 else out_lowp)
-    with _launch(param.device):
-        k.adam_kernel[(seg.num_chunks,)](
-            param, grad, exp_avg, exp_avg_sq, out, seg.starts, seg.lengths, seg.weight_decays,
-            lr, step, grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
-            beta1, beta2, eps,
-            ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
-            OUT_KIND=out_kind, INTERPRET=interp, PTX=ptx(interp), BLOCK=block, ITERS=-(-seg.chunk // block),
-            ALIGN=ALIGN, num_warps=int(cfg["adam_warps"]))
+    _on(param.device, k.adam_kernel[(seg.num_chunks,)],
+        param, grad, exp_avg, exp_avg_sq, out, seg.starts, seg.lengths, seg.weight_decays,
+        lr, step, grad_scale if grad_scale is not None else lr, found_inf if found_inf is not None else lr,
+        beta1, beta2, eps,
+        ADAMW=mode == "adamw", HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
+        OUT_KIND=out_kind, INTERPRET=interp, PTX=ptx(interp), BLOCK=block, ITERS=-(-seg.chunk // block),
+        ALIGN=ALIGN, num_warps=int(cfg["adam_warps"]))
 
 
 def _adam_torch(param, grad, exp_avg, exp_avg_sq, seg, lr, step, beta1, beta2, eps, mode, grad_scale,

@@ -43,8 +43,9 @@ from zfunc.optim.fused_plan import DevicePlan
 from zfunc.optim.spans import contiguous_runs, find_runs, laid_out_like, span_of
 from zfunc.optim.transforms import ScaleByAdamState, ScaleByLearningRateState, decay_mask, global_norm
 from zfunc.optim.update_graph import graphed_update
+from zfunc.step_context import count_increment
 from zfunc.tiers.placement import page_out
-from zfunc.tree import still_the_same, weak_refs
+from zfunc.tree import keyed_alike, still_the_same, weak_refs
 
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOWP_DTYPES = (torch.bfloat16, torch.float16)
@@ -96,17 +97,18 @@ class AdamSpec:
     def lr_state(self, opt_state) -> ScaleByLearningRateState:
         return _at(opt_state, self.lr_path, ScaleByLearningRateState)
 
-    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor, skip: torch.Tensor | None = None):
+    def advanced(self, opt_state, mu: dict, nu: dict, lr: torch.Tensor, skip: torch.Tensor | None = None,
+                 count: torch.Tensor | None = None):
         """The optimizer state after one update whose new moments are ``mu``/``nu`` (exactly the
         state ``tx.update`` would return: counts + 1, the rate used); where ``skip`` (a 0-d bool on the
-        device) is set, the counts and rate stay."""
+        device) is set, the counts and rate stay. ``count``: the new Adam count, where the caller made it."""
         adam, rate = self.adam_state(opt_state), self.lr_state(opt_state)
         if skip is not None:
-            one = (~skip).to(adam.count.dtype)
+            one = count_increment(skip, adam.count.dtype)
             lr = torch.where(skip, rate.learning_rate, lr)
         else:
             one = 1
-        return self.with_counts(opt_state, mu, nu, adam.count + one, rate.count + one, lr)
+        return self.with_counts(opt_state, mu, nu, adam.count + one if count is None else count, rate.count + one, lr)
 
     def with_counts(self, opt_state, mu: dict, nu: dict, count: torch.Tensor, rate_count: torch.Tensor,
                     lr: torch.Tensor):
@@ -163,7 +165,8 @@ def fusable(params: dict, grads: dict, mu: dict, nu: dict) -> bool:
 
 def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_dtype: torch.dtype | None = None,
                  compute_into: dict | None = None, host_threads: int | None = None,
-                 skip: torch.Tensor | None = None, skip_ready=None, landing=None):
+                 skip: torch.Tensor | None = None, skip_ready=None, landing=None,
+                 check_grads: Callable[[dict, dict], None] | None = None):
     """One Adam/AdamW update through the fused kernels, in place; None if they cannot take these tensors.
 
     Computes what ``tx.update`` and ``apply_updates`` compute (see the module
@@ -188,15 +191,26 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
         after all the work queued since (the update then starts while the GPU still runs backward).
       landing: host gradients that may still be landing from the GPU (`zfunc.tiers.landing.HostLanding`): each
         is waited for just before it is read; the streamed runs are taken in the order their gradients land.
+      check_grads: ``check_grads(params, grads)`` raises where the gradients are not shaped as the params
+        (`zfunc.state.check_grads_match`). Called first, before anything else, except where the plan of the last
+        step finds the gradients laid out as it expects, shapes included (`DevicePlan.gradients_at`): it reads
+        them anyway, and the check would read them again.
     Returns:
       ``(params, opt_state, compute_copy)`` (``compute_copy`` None unless asked for), or None.
     """
+    plan = spec.tables.get(_PLAN)
+    found = None  # (the plan, the gradients' addresses) where its `gradients_at` passed
+    if isinstance(plan, DevicePlan) and isinstance(params, dict) and isinstance(grads, dict):
+        ptrs = plan.gradients_at(params, grads)
+        found = None if ptrs is None else (plan, ptrs)
+    if found is None and check_grads is not None:
+        check_grads(params, grads)
     adam = spec.adam_state(opt_state)
     mu, nu = adam.mu, adam.nu
-    if not (isinstance(params, dict) and isinstance(grads, dict) and params.keys() == grads.keys()
-            and isinstance(mu, dict) and mu.keys() == params.keys()):
+    if not (isinstance(params, dict) and isinstance(grads, dict) and (found is not None or keyed_alike(params, grads))
+            and isinstance(mu, dict) and keyed_alike(mu, params)):  # (found: both keyed as the plan, `gradients_at`)
         return None
-    planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into)
+    planned = _device_plan(spec, params, grads, mu, nu, compute_dtype, compute_into, found)
     if planned is None and not fusable(params, grads, mu, nu):
         return None
     norm = None
@@ -211,14 +225,17 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
             copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
             return params, new_state, copy
     lr = spec.schedule(spec.lr_state(opt_state).count)
-    step = adam.count + 1
     # g ← g · min(1, c / (‖g‖ + 1e-6)) = g / max(1, (‖g‖ + 1e-6) / c)
     divisor = None if norm is None else 1.0 / (spec.clip / (norm + 1e-6)).clamp(max=1.0)
     if planned is not None:  # all of the state on one GPU, laid out as last step: one launch
         plan, grad_ptrs = planned
-        plan.launch(spec, grad_ptrs, lr, step, divisor, skip)
+        # The new count is the kernel's step (this update's 1-based index): one more where the update runs, and
+        # where ``skip`` stops it the kernel reads nothing more than the flag. One addition for both.
+        count = adam.count + (1 if skip is None else count_increment(skip, adam.count.dtype))
+        plan.launch(spec, grad_ptrs, lr, count, divisor, skip)
         copy = None if plan.out_dtype is None else _keyed_like(compute_into, params)
-        return params, spec.advanced(opt_state, mu, nu, lr, skip), copy
+        return params, spec.advanced(opt_state, mu, nu, lr, skip, count=count), copy
+    step = adam.count + 1
     decays = spec.weight_decays(params)
     out_dtype = compute_dtype if compute_dtype in LOWP_DTYPES else None
     copy = _compute_targets(params, grads, compute_dtype, compute_into, skip) if compute_dtype is not None else None
@@ -264,22 +281,23 @@ def fused_update(spec: AdamSpec, params: dict, grads: dict, opt_state, compute_d
 _PLAN = "device plan"  # spec.tables' entry: the DevicePlan of the last state, or _NOT_PLANNED
 
 
-def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, compute_dtype, into: dict | None):
+def _device_plan(spec: AdamSpec, params: dict, grads: dict, mu: dict, nu: dict, compute_dtype, into: dict | None,
+                 found: tuple | None):
     """``(plan, gradient addresses)`` where the whole update is one launch of the GPU kernel
     (`zfunc.optim.fused_plan`): every nonempty parameter's state on one GPU (not `on_host`), the
     Triton backend there, a compute copy (if asked for) of bf16/fp16 written into ``into`` on that
     device, the gradients of one dtype. Else None: the general path.
 
-    The plan of the last step is reused while the tensors are laid out as it expects; otherwise it is
-    built again (and where no plan can be made for these parameters, that is remembered for as long as
-    they are the same tensors, so the general path pays one identity check per key for asking)."""
+    The plan of the last step is reused while the tensors are laid out as it expects (``found``: the plan and
+    the gradients' addresses, where its `DevicePlan.gradients_at` passed; what is left is its `state_at`);
+    otherwise it is built again (and where no plan can be made for these parameters, that is remembered for as
+    long as they are the same tensors, so the general path pays one identity check per key for asking)."""
     plan = spec.tables.get(_PLAN)
     into = into if compute_dtype is not None else None
     if isinstance(plan, DevicePlan):
-        if plan.out_dtype == compute_dtype:
-            ptrs = plan.grad_addresses(params, grads, mu, nu, into)
-            if ptrs is not None:
-                return plan, ptrs
+        if found is not None and found[0] is plan and plan.out_dtype == compute_dtype \
+                and plan.state_at(params, mu, nu, into):
+            return found
     elif plan is not None and still_the_same(plan, params.values()):
         return None  # these very parameters could not be planned
     plan = _build_plan(spec, params, grads, mu, nu, compute_dtype, into)
@@ -313,9 +331,11 @@ def _build_plan(spec, params, grads, mu, nu, compute_dtype, into) -> DevicePlan 
 
 
 def _keyed_like(d: dict, like: dict) -> dict:
-    """``{k: d[k] for k in like}`` (a copy of ``d`` as it is where it is keyed in ``like``'s order already, as
-    the compute copy a stack asks for is: no lookup per key)."""
-    return {**d} if len(d) == len(like) and tuple(d) == tuple(like) else dict(zip(like, map(d.__getitem__, like)))
+    """``{k: d[k] for k in like}``: ``d`` itself where it is keyed in ``like``'s order already, as the compute copy
+    a stack asks for is (the dict the stack handed over, its tensors written in place: the stack finds it
+    unchanged by its version tag, `zfunc.optim.fused_plan`), else a dict made so."""
+    return d if type(d) is dict and len(d) == len(like) and tuple(d) == tuple(like) \
+        else dict(zip(like, map(d.__getitem__, like)))
 
 
 def on_host(t: torch.Tensor) -> bool:

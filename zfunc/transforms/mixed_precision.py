@@ -210,6 +210,12 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             compute = [params[k] for k in keys]
         return (keys, tuple(mp.master)), compute + list(mp.master.values())
 
+    def copies_held_in(self, state) -> tuple[dict, ...]:
+        mp = state.extras.get(self.name) if isinstance(getattr(state, "extras", None), dict) else None
+        if not isinstance(mp, MixedPrecisionState) or not mp.master:
+            return ()
+        return state.params, mp.master
+
     @classmethod
     def copy_names(cls, key: tuple) -> list[str]:
         compute, master = key
@@ -281,15 +287,17 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             request = request._replace(grads_landing=None)
         if self.has_master:
             # Ask the update for the compute copy, written into the compute params themselves
-            # where it can (a fused kernel does so in the same pass).
-            request = request._replace(compute_dtype=self.policy.compute, compute_into={**state.params})
+            # where it can (a fused kernel does so in the same pass). (The state's own dicts, here and as the
+            # master below, not copies: nothing changes a dict it is handed, and the fused update finds the
+            # very dicts of the step before by their version tags, `zfunc.optim.fused_plan`.)
+            request = request._replace(compute_dtype=self.policy.compute, compute_into=state.params)
         if self.scaling == "none":
             if not mp.master:
                 return next(state, {k: g.to(master_dtype) for k, g in grads.items()}, request)
             # Handed on as they are (the compute dtype, or `accumulate`'s fp32 sum): the optimizer's
             # update upcasts them exactly (`zfunc.state.pure_update`), and a fused kernel reads them
             # as they are, saving a full fp32 copy of the gradients.
-            new = next(state.replace(params={**mp.master}), grads, request)
+            new = next(state.replace(params=mp.master), grads, request)
             return self._write_back(new, mp)
 
         info = self.call_scratch()
@@ -314,7 +322,7 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
             torch._assert_async(~at_min, self.scaler.at_min_message())
             return self._applied(next, state, grads, request, mp, new_mp)
         message = self.scaler.at_min_message()
-        ctx.findings.append(Finding(at_min.to(torch.float32).reshape(1), lambda values, step: FloatingPointError(
+        ctx.findings.append(Finding(at_min.to(torch.float64).reshape(1), lambda values, step: FloatingPointError(
             f"{message} (at the step given the state with step={step}; its update was skipped)")))
         return self._applied(next, state, grads, request, mp, new_mp)
 
@@ -323,12 +331,13 @@ class mixed_precision(Transform):  # noqa: N801 (a transform reads like a functi
         if not mp.master:
             new = next(state, grads, request)
             return Updated(new.state.replace(extras={**new.state.extras, self.name: new_mp}), new.compute_copy)
-        return self._write_back(next(state.replace(params={**mp.master}), grads, request), new_mp)
+        return self._write_back(next(state.replace(params=mp.master), grads, request), new_mp)
 
     def _write_back(self, new: Updated, mp: MixedPrecisionState) -> Updated:
         """``new`` came back from the optimizer holding the master as params: the compute copy it
-        wrote (or a cast of the master) becomes ``params``."""
-        master = {**new.state.params}
+        wrote (or a cast of the master) becomes ``params``. (The dicts as the update returned them: the fused
+        update hands back the very dicts it was given, whose tensors it wrote in place.)"""
+        master = new.state.params
         copy = new.compute_copy
         if copy is None:
             copy = {k: v.to(self.policy.compute) for k, v in master.items()}

@@ -253,7 +253,8 @@ class shard(Transform):  # noqa: N801
 
     def _param_shards(self, params: dict, layout: ShardLayout,
                       flats: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's 1-D slices of the parameters (views, no copy)."""
+        """This rank's 1-D slices of the parameters (views, no copy), keyed in ``params``' order (as the fused
+        update reads every operand, `zfunc.optim.fused_plan`)."""
         if layout.stage == 3:
             return {**params}
         if tracing():
@@ -262,15 +263,15 @@ class shard(Transform):  # noqa: N801
         shards = {}
         for unit in layout.units:
             shards.update(unit.shard_views(unit.rank_region(flats[unit.name], layout.rank), layout.rank))
-        return shards
+        return dict_of(params, map(shards.__getitem__, params))
 
     def _flats_and_shards(self, params: dict, layout: ShardLayout) -> tuple[dict | None, dict]:
         """``(unit flats, this rank's shards)`` of the state whose params are ``params`` (stages 1/2: the flats
         and views `_full_flats` and `_param_shards` find, built once per state, `StateViews`; stage 3: None
-        and the params themselves). The shards are a dict of the caller's own, the tensors the same views
-        step after step (so the fused update finds its targets where it left them, `zfunc.optim.fused_plan`)."""
+        and the params themselves), not copies (the caller changes neither): the same dict of the same views
+        step after step, where the fused update finds them by the dict's tag (`zfunc.optim.fused_plan`)."""
         if self.stage == 3:
-            return None, {**params}
+            return None, params
         if tracing():
             flats = self._one_rank_flats(params, layout)  # (each unit's buffer, recorded on its parameters at init)
             if flats is not None:  # the shards: each key's 1-D part of it, made by one split per unit
@@ -286,7 +287,7 @@ class shard(Transform):  # noqa: N801
             flats = self._full_flats(params, layout)
             found = (flats, self._param_shards(params, layout, flats))
             layout.state_views.put(params, *found)
-        return found[0], {**found[1]}
+        return found
 
     # -- the step ------------------------------------------------------------
     def start(self, ctx, state) -> _Call:

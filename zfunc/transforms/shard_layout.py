@@ -27,7 +27,7 @@ import torch
 
 from zfunc.compiled import all_true, cached_property, constant_table, dict_of, remember, tracing
 from zfunc.blocks import find_blocks
-from zfunc.tree import SameObjects, register_pytree_node, shape_of
+from zfunc.tree import SameValues, register_pytree_node, shape_of
 
 ROOT = ""
 
@@ -295,27 +295,28 @@ class UnitLayout:
 class StateViews:
     """Stages 1/2, eager: each unit's flat buffer of one state and this rank's shard views of them, found once
     (`zfunc.transforms.shard.shard._flats_and_shards`) and reused while ``state.params`` holds the very
-    tensors they were found from.
+    tensors they were found from (`zfunc.tree.SameValues`: the very dict of the step before, unchanged, by its
+    version tag; another dict of the same tensors by their ids).
 
     Derived data kept with the layout (`ShardLayout.state_views`), not configuration: one state at a time,
     dropped when that state's first parameter is freed (a state its user let go is not kept alive by its
     views), and left out of copies and pickles (a copy of a state finds its own)."""
 
     def __init__(self) -> None:
-        self._entry: tuple[SameObjects, dict, dict] | None = None
+        self._entry: tuple[SameValues, dict, dict] | None = None
 
     def get(self, params: dict) -> tuple[dict, dict] | None:
         entry = self._entry  # (read once: another thread may put its own state's)
-        if entry is None or not entry[0](params.values()):
+        if entry is None or not entry[0]((params,)):
             return None
         return entry[1], entry[2]
 
     def put(self, params: dict, flats: dict, shards: dict) -> None:
-        same = SameObjects(params.values())
+        same = SameValues((params,))
         self._entry = (same, flats, shards)
         weakref.finalize(next(iter(params.values())), self._drop, same)
 
-    def _drop(self, same: SameObjects) -> None:
+    def _drop(self, same: SameValues) -> None:
         if self._entry is not None and self._entry[0] is same:
             self._entry = None
 
@@ -372,10 +373,13 @@ class ShardLayout:
         return frozenset(k for u in self.units for k in u.keys)
 
     def reshaped(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape."""
-        out: dict[str, torch.Tensor] = {}
+        """Every unit's `UnitLayout.reshaped`: at world size 1, each shard viewed in its parameter's shape, keyed
+        in ``shards``' order (``shards`` holds exactly the layout's keys), so that what is differentiated, and its
+        gradients, are keyed as the state is (the update reads them in that order: `zfunc.optim.fused_plan`)."""
+        out = {**shards}  # (the 1-D ones as they are; an update of a key keeps its place)
         for unit in self.units:
-            out.update(unit.reshaped(shards))
+            keys, shapes = unit._shaped
+            out.update(zip(keys, map(torch.Tensor.view, map(shards.__getitem__, keys), shapes)))
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -465,18 +469,23 @@ def zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable[[dict, dic
     itself is that dict, as `zfunc.transforms.shard`'s write-back makes it; the fused update hands its
     moments back so, and they are not walked key by key at every step). (Not while dynamo traces: its 2.11
     cannot trace ``is`` between two dicts.)"""
+    return _zip_param_shaped(old, new, keys, fn, tracing())
+
+
+def _zip_param_shaped(old: Any, new: Any, keys: set[str], fn: Callable, traced: bool) -> Any:
+    """`zip_param_shaped`, told once whether dynamo traces (not asked at every node of the trees)."""
     if not isinstance(old, (dict, list, tuple)):  # (a leaf: a count, a scale, a layout)
         return new
-    if not tracing() and old is new:
+    if not traced and old is new:
         return new
     if is_param_shaped(old, keys) and isinstance(new, dict):
         return fn(old, new)
     if isinstance(old, dict) and isinstance(new, dict):
-        return {k: zip_param_shaped(old.get(k), v, keys, fn) for k, v in new.items()}
+        return {k: _zip_param_shaped(old.get(k), v, keys, fn, traced) for k, v in new.items()}
     if isinstance(old, tuple) and hasattr(old, "_fields") and type(new) is type(old):
-        return type(new)(*(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new)))
+        return type(new)(*(_zip_param_shaped(o, n, keys, fn, traced) for o, n in zip(old, new)))
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
-        return type(new)(zip_param_shaped(o, n, keys, fn) for o, n in zip(old, new))
+        return type(new)(_zip_param_shaped(o, n, keys, fn, traced) for o, n in zip(old, new))
     return new
 
 
