@@ -324,10 +324,18 @@ def test_inductor_shard_stage_1_world_2(dist):
     eager rounds each to bf16: after Adam (whose normalised step is ~lr whatever the gradient's size) that
     moves parameters by up to ~lr. With ``emulate_precision_casts`` it rounds where eager does; what is
     left is the order of bf16 reductions, a few 1e-4 here (a wrong reduction would be ~the weights'
-    size, 0.1-1)."""
+    size, 0.1-1). Inductor 2.11 does not round this graph's intermediates under that setting: its
+    parameters differ from eager's by up to 5e-3 and its loss by 2.3e-3 relative after the 3 steps, as
+    2.13's do with the setting off (measured 2026-12-02; with ``aot_eager`` 2.11's are eager's to 1.2e-7,
+    which ``test_shard_world_2`` holds), so there the bound is the unrounded one, still well under a
+    wrong reduction's."""
     import torch._inductor.config as inductor_config
 
+    rounds = torch.__version__ >= (2, 13)  # (TorchVersion compares as numbers)
     with inductor_config.patch(emulate_precision_casts=True):  # (the ranks fork inside: they inherit it)
         results = dist(eager_and_compiled, 2, STACKS["s1"], "inductor", timeout=1200)
     for result in results:
-        check(result, rtol=1e-3, atol=5e-4, metrics_rel=1e-3)
+        if rounds:
+            check(result, rtol=1e-3, atol=5e-4, metrics_rel=1e-3)
+        else:
+            check(result, rtol=1e-2, atol=1e-2, metrics_rel=1e-2)
