@@ -245,9 +245,12 @@ def test_compile_blocks_stage_3_keeps_no_gathered_weights(dist):
     """Stage 3 + checkpoint under compile_blocks keeps from forward to backward what the eager step
     keeps: each block's input and the gathers issued ahead (the last block's, for the first recompute
     of backward: ~2.4 blocks' worth measured), not every block's gathered weights (8.0 here); without
-    checkpoint, stage 3's release keeps ~0.3. The eager step's figure, measured the same way, bounds it."""
+    checkpoint, stage 3's release keeps ~0.3. The eager step's figure, measured the same way, bounds it,
+    give or take one block: at the loss's mark either figure is 1.35 or 2.35 from step to step and run to
+    run, eager and regional alike (one gather issued ahead still held or already freed; 2026-12-02, four
+    runs of each), so one run's eager steps can all read 1.35 while the regional ones read 2.35."""
     eager = dist(_kept_after_forward, 2, False, True, timeout=600)[0]
     regional = dist(_kept_after_forward, 2, True, True, timeout=600)[0]
     released = dist(_kept_after_forward, 2, True, False, timeout=600)[0]  # stage 3's release, no checkpoint
     assert max(regional) < 3.5 and max(released) < 1.5, (regional, released, eager)
-    assert min(regional) <= max(eager) + 0.25, (regional, eager)
+    assert min(regional) <= max(eager) + 1.25, (regional, eager)
