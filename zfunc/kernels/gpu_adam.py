@@ -303,9 +303,8 @@ def _runs_launcher(runs: AdamRuns) -> tuple:
     """What `adam_runs_` launches ``runs`` with from its first launch on (`AdamRuns.launcher`): whether Triton
     interprets, the kernel, its block and warps, inline PTX or not. Raises where Triton cannot run there (no
     triton; no CUDA and no interpreter)."""
+    resolve_backend("triton", runs.device)  # (raises, saying why; once per table, not per launch)
     interp = _interpreting()
-    if _triton() is None or (runs.device.type != "cuda" and not interp):
-        resolve_backend("triton", runs.device)  # (raises, saying why)
     from zfunc.kernels.triton_kernels import kernels, ptx  # noqa: PLC0415 (imports triton when run)
 
     runs.launcher = (interp, kernels(interp).adam_multi_kernel, int(TRITON_CONFIG["adam_block"]),

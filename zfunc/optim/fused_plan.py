@@ -78,7 +78,7 @@ class _Held:
         tensors = _in_order(operands, keys)
         self.dtypes = [t.dtype for t in tensors]
         self.numels = [t.numel() for t in tensors]
-        self.misses = 0  # steps in a row given other tensors than those held (`DevicePlan.grad_addresses`)
+        self.misses = 0  # steps in a row given other tensors than those held (`DevicePlan.state_at`)
         self.rearm(operands, keys, tensors)
 
     def rearm(self, operands: tuple, keys: tuple, tensors: list) -> None:
